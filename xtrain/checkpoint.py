@@ -1,0 +1,107 @@
+"""Checkpoints in `<run dir>/checkpoints/step_XXXXXXXX`: written aside, renamed into place, pruned.
+
+A checkpoint is an Accelerate state (`save_state`) plus `xtrain_state.json` (step,
+tokens seen, model identity). A directory without that file is not a checkpoint: the
+file is written last, just before the rename, so a kill at any moment leaves either the
+previous newest checkpoint or a complete new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from xtrain.config import ConfigError
+from xtrain.files import replace_dir
+
+STATE_FILE = "xtrain_state.json"
+_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def directory(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def existing(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = directory(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def newest(run_dir: str | Path) -> Path | None:
+    found = existing(run_dir)
+    return found[-1] if found else None
+
+
+def read_state(path: str | Path) -> dict:
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def resolve(resume: str, run_dir: str | Path, model_identity: dict) -> Path | None:
+    """The checkpoint to resume from (None: fresh start), checked against this run's model."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        path = newest(run_dir)
+        if path is None:
+            return None
+    else:
+        path = Path(os.path.expanduser(resume))
+        if not path.exists():
+            raise ConfigError(f"resume={resume}: no such checkpoint; use resume=auto, resume=none or a checkpoint directory")
+        if not (path / STATE_FILE).is_file():
+            newest_inside = newest(path)
+            if newest_inside is None:
+                raise ConfigError(
+                    f"resume={resume}: not an xtrain checkpoint (no {STATE_FILE}); "
+                    "give <run dir>/checkpoints/step_N or a run dir that has checkpoints"
+                )
+            path = newest_inside
+    saved = read_state(path).get("model", {})
+    if saved != model_identity:
+        differ = sorted(k for k in set(saved) | set(model_identity) if saved.get(k) != model_identity.get(k))
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {model_identity.get(k)!r}" for k in differ)
+        raise ConfigError(f"resume={resume}: checkpoint of another model ({detail}); resume with the same model settings")
+    return path
+
+
+def remove_partial(run_dir: str | Path) -> None:
+    """Remove leftovers of saves that were interrupted (never complete checkpoints)."""
+    root = directory(run_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-") or (_NAME.match(p.name) and not (p / STATE_FILE).is_file()):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int) -> Path:
+    """Every rank calls this; the main process publishes the checkpoint and prunes old ones."""
+    root = directory(run_dir)
+    final = root / name(step)
+    tmp = root / f".tmp-{name(step)}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state_file = tmp / STATE_FILE
+        state_file.write_text(json.dumps({"step": step, **state}, indent=2))
+        with open(state_file) as f:
+            os.fsync(f.fileno())
+        replace_dir(tmp, final)
+        for stale in existing(run_dir)[:-keep]:
+            shutil.rmtree(stale)
+    accelerator.wait_for_everyone()
+    return final

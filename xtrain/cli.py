@@ -1,0 +1,128 @@
+"""`python -m xtrain`: Hydra composes conf/ over the typed schema, then `launch` runs it.
+
+User errors (bad values, unknown keys, missing files) end as one line on stderr and
+exit code 2. This module imports neither torch nor transformers: `--cfg job` and
+`--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+
+from xtrain import config
+from xtrain.config import ConfigError, RunConfig
+
+GROUP_SCHEMAS = {
+    "model": config.ModelConfig,
+    "data": config.DataConfig,
+    "strategy": config.StrategyConfig,
+    "precision": config.PrecisionConfig,
+    "cluster": config.ClusterConfig,
+    "trainer": config.TrainerConfig,
+    "tracker": config.TrackerConfig,
+}
+
+
+def register_schemas() -> None:
+    store = ConfigStore.instance()
+    store.store(name="run_config", node=RunConfig)
+    for group, schema in GROUP_SCHEMAS.items():
+        store.store(group=group, name=f"base_{group}", node=schema)
+
+
+def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a user can set, e.g. `trainer.batch_size`."""
+    names = []
+    for f in dataclasses.fields(schema):
+        default = schema.__dataclass_fields__[f.name]
+        sub = default.default_factory() if default.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            names += setting_names(type(sub), f"{prefix}{f.name}.")
+        else:
+            names.append(f"{prefix}{f.name}")
+    return names
+
+
+def _override_value(key: str) -> str | None:
+    for arg in sys.argv[1:]:
+        name, sep, value = arg.lstrip("+~").partition("=")
+        if sep and name == key:
+            return value
+    return None
+
+
+def explain(err: Exception) -> str:
+    """One line for a Hydra / OmegaConf composition error: the setting, the bad value, what would work."""
+    cause = err.__cause__ or err
+    key = getattr(cause, "full_key", None)
+    if not key:
+        return " ".join(str(err).split())
+    value = _override_value(key)
+    setting = f"{key}={value}" if value is not None else key
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
+        close = difflib.get_close_matches(key, setting_names(), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "python -m xtrain --cfg job lists every setting"
+        return f"{setting}: no such setting; {hint}"
+    if isinstance(cause, MissingMandatoryValue):
+        return f"{key}: must be set"
+    reason = str(cause).splitlines()[0]
+    converted = re.match(r"Value '.*' of type '.*' could not be converted to (\w+)", reason)
+    if converted:
+        reason = f"not a valid {converted.group(1).lower()}"
+    return f"{setting}: {reason}"
+
+
+def fail(message: str) -> None:
+    print(f"xtrain: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(config_path="pkg://xtrain.conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig):
+    output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        cfg.run_dir = output_dir
+        run_config = config.from_container(cfg)
+        from xtrain.launch import launch
+
+        return launch(run_config).get("val_loss")
+    except ConfigError as err:
+        # Exit here: an exception leaving the task makes Hydra print its own report first.
+        _remove_if_empty(Path(output_dir))
+        fail(str(err))
+
+
+def _remove_if_empty(path: Path) -> None:
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+
+
+def main() -> None:
+    register_schemas()
+    # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except ConfigError as err:
+        fail(str(err))
+    except MissingConfigException as err:  # unknown group option: Hydra's message lists the choices
+        print(f"xtrain: error: {str(err).split('Config search path')[0].strip()}", file=sys.stderr)
+        sys.exit(2)
+    except (ConfigCompositionException, HydraException, OmegaConfBaseException) as err:
+        fail(explain(err))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Causal language models: built from a transformers config (random init) or loaded pretrained."""
+
+from __future__ import annotations
+
+import os
+
+from xtrain.config import ConfigError, ModelArch, ModelConfig, ModelSource
+
+
+def _cannot_load(model: ModelConfig, err: BaseException) -> ConfigError:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ConfigError(
+        f"model.name_or_path={model.name_or_path}: cannot be loaded ({first[:200]}); "
+        "give a local model directory, or a hub id that is in the Hugging Face cache (or reachable)"
+    )
+
+
+def pretrained_config(model: ModelConfig):
+    """The pretrained model's transformers config; raises ConfigError if it cannot be loaded."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(model.name_or_path))
+    except (OSError, ValueError) as err:
+        raise _cannot_load(model, err) from None
+
+
+def transformers_config(model: ModelConfig, vocab_size: int, block_size: int, eos_token_id: int):
+    if model.source is ModelSource.pretrained:
+        return pretrained_config(model)
+    common = dict(vocab_size=vocab_size, bos_token_id=eos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    if model.arch is ModelArch.gpt2:
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_heads,
+            n_inner=model.intermediate_size, n_positions=block_size,
+            resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout, **common,
+        )
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=model.hidden_size, num_hidden_layers=model.num_layers, num_attention_heads=model.num_heads,
+        num_key_value_heads=model.num_heads, intermediate_size=model.intermediate_size,
+        max_position_embeddings=block_size, attention_dropout=model.dropout, tie_word_embeddings=True, **common,
+    )
+
+
+def build(model: ModelConfig, tokenizer, block_size: int):
+    """The model to train, on CPU in fp32 (Accelerate moves and casts it)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config = transformers_config(model, len(tokenizer), block_size, tokenizer.eos_token_id)
+    if model.source is ModelSource.pretrained:
+        max_positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+        if max_positions and block_size > max_positions:
+            raise ConfigError(
+                f"data.block_size={block_size}: longer than {model.name_or_path}'s {max_positions} positions; "
+                f"use data.block_size<={max_positions}"
+            )
+        try:
+            return AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32")
+        except (OSError, ValueError) as err:
+            raise _cannot_load(model, err) from None
+    return AutoModelForCausalLM.from_config(hf_config)
+
+
+def identity(model: ModelConfig) -> dict:
+    """What a checkpoint must match to be resumed into this model."""
+    if model.source is ModelSource.pretrained:
+        return {"source": "pretrained", "name_or_path": model.name_or_path}
+    return {
+        "source": "config", "arch": model.arch.value, "hidden_size": model.hidden_size, "num_layers": model.num_layers,
+        "num_heads": model.num_heads, "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size,
+    }

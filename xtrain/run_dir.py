@@ -1,0 +1,55 @@
+"""The run dir contract: run.yaml, metrics.jsonl, result.json, checkpoints/, model/.
+
+Every file is replaced atomically (write aside, rename), so an interrupted run never
+leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xtrain import checkpoint
+from xtrain.config import ConfigError, RunConfig, to_yaml
+from xtrain.files import write_atomic
+
+RUN_CONFIG = "run.yaml"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+MODEL = "model"
+
+
+def holds_run(run_dir: Path) -> bool:
+    return (run_dir / RUN_CONFIG).exists() or bool(checkpoint.existing(run_dir))
+
+
+def prepare(cfg: RunConfig) -> Path:
+    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
+    run_dir = Path(cfg.run_dir)
+    if cfg.resume == "none" and holds_run(run_dir):
+        raise ConfigError(
+            f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / RUN_CONFIG, to_yaml(cfg))
+    return run_dir
+
+
+def write_result(run_dir: Path, result: dict) -> None:
+    write_atomic(run_dir / RESULT, json.dumps(result, indent=2) + "\n")
+
+
+def keep_metrics_until(run_dir: Path, step: int) -> None:
+    """On resume: drop rows a killed run logged after the checkpoint it resumes from."""
+    path = run_dir / METRICS
+    if not path.exists():
+        return
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        if row.get("step", 0) <= step:
+            rows.append(line)
+    write_atomic(path, "".join(f"{r}\n" for r in rows))

@@ -1,0 +1,287 @@
+"""The training loop: one Accelerate loop over a run dir's resolved config.
+
+`train(run_dir)` reads `run.yaml` (never composes config), builds the Accelerator, the
+model, data, optimizer and schedule, resumes if asked, trains for `trainer.max_steps`
+optimizer steps with periodic logging, evaluation and checkpoints, and saves the final
+model. Every rank runs this same function.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from xtrain import checkpoint, config, data, model as models, run_dir as rundir, tracking
+from xtrain.config import Precision, RunConfig
+from xtrain.files import replace_dir
+
+log = logging.getLogger("xtrain")
+
+
+class _DropTiedWeightsNote(logging.Filter):
+    """Accelerate warns at every save that tied embeddings are stored once: expected here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+logging.getLogger("accelerate.utils.other").addFilter(_DropTiedWeightsNote())
+
+MIXED_PRECISION = {Precision.fp32: "no", Precision.fp16: "fp16", Precision.bf16: "bf16", Precision.fp8: "fp8"}
+
+
+def build_accelerator(cfg: RunConfig, run_dir: Path) -> Accelerator:
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision=MIXED_PRECISION[cfg.precision.name],
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=cfg.trainer.grad_accum, sync_with_dataloader=False
+        ),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.trainer.seed),
+        # The schedule is defined in optimizer steps; it is stepped by hand, and not after a skipped step.
+        step_scheduler_with_optimizer=False,
+        log_with=tracking.log_with(cfg, run_dir),
+        project_config=ProjectConfiguration(
+            project_dir=str(run_dir), logging_dir=str(run_dir / tracking.TENSORBOARD_DIR)
+        ),
+    )
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.trainer.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_factor(step: int, cfg: RunConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `max_steps`."""
+    t = cfg.trainer
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def micro_batches(accelerator: Accelerator, loader, start: int):
+    """Endless micro-batches over epochs, starting at micro-batch `start` (resume skips, never replays)."""
+    epoch, offset = divmod(start, len(loader))
+    while True:
+        epoch_loader = accelerator.skip_first_batches(loader, offset) if offset else loader
+        epoch_loader.set_epoch(epoch)
+        yield from epoch_loader
+        epoch, offset = epoch + 1, 0
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, model, loader) -> float:
+    """Mean next-token loss over the whole validation split (every block has the same length)."""
+    model.eval()
+    losses = []
+    for batch in loader:
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids).logits.float()
+        per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+        losses.append(accelerator.gather_for_metrics(per_token.view(ids.shape[0], -1).mean(dim=1)))
+    model.train()
+    return torch.cat(losses).mean().item()
+
+
+def train(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
+    t = cfg.trainer
+    process_start = psutil.Process().create_time()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns when transformers probes it
+
+    accelerator = build_accelerator(cfg, run_dir)
+    set_seed(t.seed)
+    resume_from = checkpoint.resolve(cfg.resume, run_dir, models.identity(cfg.model))
+    if accelerator.is_main_process:
+        checkpoint.remove_partial(run_dir)
+
+    with accelerator.main_process_first():
+        corpus = data.load_corpus(cfg.data)
+        tokenizer = data.tokenizer_for(corpus, cfg.model, cfg.data)
+        train_set, val_set = data.pack(corpus, tokenizer, cfg.data)
+        model = models.build(cfg.model, tokenizer, cfg.data.block_size)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True)
+    val_loader = DataLoader(val_set, batch_size=t.batch_size)
+    if len(train_loader) == 0:
+        raise config.ConfigError(
+            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training blocks; use a smaller batch"
+        )
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, scheduler
+    )
+
+    start_step, tokens_seen = 0, 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = checkpoint.read_state(resume_from)
+        start_step, tokens_seen = state["step"], state["tokens_seen"]
+    if accelerator.is_main_process:
+        if start_step:
+            rundir.keep_metrics_until(run_dir, start_step)
+        else:
+            (run_dir / rundir.METRICS).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+
+    accelerator.init_trackers(
+        cfg.tracker.project, config=_flat(config.to_container(cfg)), init_kwargs=tracking.init_kwargs(cfg, run_dir)
+    )
+    world = accelerator.num_processes
+    tokens_per_step = t.batch_size * t.grad_accum * cfg.data.block_size * world
+    log.info(
+        "model %.2fM params | %d train / %d val blocks of %d tokens | world %d | %s | effective batch %d sequences",
+        n_params / 1e6, len(train_set), len(val_set), cfg.data.block_size, world,
+        accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
+    )
+    if resume_from is not None:
+        log.info("resumed from %s at step %d", resume_from, start_step)
+
+    result = {
+        "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "model_parameters": n_params, "resumed_from": str(resume_from) if resume_from else None,
+    }
+    if accelerator.is_main_process:
+        rundir.write_result(run_dir, result)
+
+    train_start = time.time()
+    if start_step == 0:
+        initial_val = evaluate(accelerator, model, val_loader)
+        result["initial_val_loss"] = initial_val
+        accelerator.log({"val/loss": initial_val, "val/ppl": math.exp(initial_val)}, step=0)
+        log.info("step 0 | val loss %.4f | val ppl %.1f", initial_val, math.exp(initial_val))
+
+    batches = micro_batches(accelerator, train_loader, start_step * t.grad_accum)
+    loss_sum = torch.zeros((), device=accelerator.device)
+    loss_count, window_start, window_steps = 0, time.perf_counter(), 0
+    progress = tqdm(
+        total=t.max_steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True,
+        disable=not (accelerator.is_main_process and sys.stderr.isatty()),  # log files get the log lines only
+    )
+    try:
+        with logging_redirect_tqdm():
+            for step in range(start_step + 1, t.max_steps + 1):
+                for _ in range(t.grad_accum):
+                    batch = next(batches)
+                    with accelerator.accumulate(model):
+                        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients and t.max_grad_norm > 0:
+                            accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                    loss_sum += loss.detach()
+                    loss_count += 1
+                if not accelerator.optimizer_step_was_skipped:
+                    scheduler.step()
+                tokens_seen += tokens_per_step
+                window_steps += 1
+                progress.update(1)
+                if "time_to_first_step_s" not in result:
+                    result["time_to_first_step_s"] = round(time.time() - process_start, 3)
+
+                if step % t.log_every == 0 or step == t.max_steps:
+                    train_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count
+                    elapsed = time.perf_counter() - window_start
+                    metrics = {
+                        "train/loss": train_loss,
+                        "train/lr": scheduler.get_last_lr()[0],
+                        "train/tokens_per_s": window_steps * tokens_per_step / elapsed,
+                        "train/tokens_seen": tokens_seen,
+                    }
+                    accelerator.log(metrics, step=step)
+                    progress.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+                    log.info(
+                        "step %d | loss %.4f | lr %.2e | %.0f tokens/s",
+                        step, train_loss, metrics["train/lr"], metrics["train/tokens_per_s"],
+                    )
+                    result["train_loss"] = train_loss
+                    loss_sum.zero_()
+                    loss_count, window_start, window_steps = 0, time.perf_counter(), 0
+
+                if step % t.eval_every == 0 or step == t.max_steps:
+                    val_loss = evaluate(accelerator, model, val_loader)
+                    accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
+                    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
+                    result["val_loss"], result["val_ppl"] = val_loss, math.exp(val_loss)
+
+                if step % t.save_every == 0 or step == t.max_steps:
+                    checkpoint.save(
+                        accelerator, run_dir, step,
+                        {"tokens_seen": tokens_seen, "model": models.identity(cfg.model)}, t.keep_checkpoints,
+                    )
+                result["steps"] = step
+    except BaseException as err:
+        result["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        result["error"] = f"{type(err).__name__}: {err}"
+        if accelerator.is_main_process:
+            rundir.write_result(run_dir, result)
+        raise
+    finally:
+        progress.close()
+
+    wall = time.time() - train_start
+    save_model(accelerator, model, tokenizer, run_dir)
+    accelerator.end_training()
+    result.update(
+        status="completed",
+        tokens_per_s=(t.max_steps - start_step) * tokens_per_step / wall,
+        wall_time_s=round(time.time() - process_start, 3),
+        train_time_s=round(wall, 3),
+    )
+    if accelerator.is_main_process:
+        rundir.write_result(run_dir, result)
+        log.info(
+            "done: %d steps | val loss %.4f (ppl %.1f) | %.0f tokens/s | %s",
+            t.max_steps, result["val_loss"], result["val_ppl"], result["tokens_per_s"], run_dir,
+        )
+    return result
+
+
+def save_model(accelerator: Accelerator, model, tokenizer, run_dir: Path) -> None:
+    """`save_pretrained` (safetensors) + tokenizer into model/, replacing it atomically."""
+    state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
+    tmp = run_dir / f".tmp-{rundir.MODEL}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    replace_dir(tmp, run_dir / rundir.MODEL)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """Nested config → flat `a/b` keys with scalar values, as trackers want hyperparameters."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{name}/"))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return out
