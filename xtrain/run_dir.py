@@ -20,7 +20,8 @@ MODEL = "model"
 
 
 def holds_run(run_dir: Path) -> bool:
-    return (run_dir / RUN_CONFIG).exists() or bool(checkpoint.existing(run_dir))
+    """Training started here (a run that failed before its first step can be run again)."""
+    return (run_dir / RESULT).exists() or bool(checkpoint.existing(run_dir))
 
 
 def prepare(cfg: RunConfig) -> Path:

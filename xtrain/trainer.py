@@ -127,8 +127,12 @@ def train(run_dir: str | Path) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
-    train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=t.batch_size)
+    # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
+    # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
+    train_loader = DataLoader(
+        train_set, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(t.seed)
+    )
+    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
     if len(train_loader) == 0:
         raise config.ConfigError(
             f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training blocks; use a smaller batch"

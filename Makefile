@@ -1,0 +1,27 @@
+# `make run` sets up .venv and trains the embedded default; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+# CPU machines here install this release from the local wheel store in seconds; on a GPU machine
+# the same pin gives PyPI's CUDA build. Installed first, so no dependency pulls another torch.
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+READY := $(VENV)/.xtrain-ready
+
+.PHONY: setup run test bench
+setup: $(READY)
+
+$(READY): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+run: setup
+	$(BIN)/python -m xtrain $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/python benchmarks/startup.py

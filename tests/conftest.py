@@ -1,0 +1,59 @@
+"""Shared fixtures: every test runs the real CLI in a subprocess, offline, with a fresh cache per session."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A short run of the default model and data: a few seconds on a 2-core CPU.
+SHORT = ["trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4", "trainer.eval_every=6",
+         "trainer.save_every=6"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_env(tmp_path_factory):
+    """No hub access, no stray Accelerate/W&B settings, one tokenizer/data cache for the session."""
+    for key in list(os.environ):
+        if key.startswith(("ACCELERATE_", "FSDP_", "WANDB_", "HYDRA_")):
+            del os.environ[key]
+    os.environ.update(
+        XTRAIN_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_SILENT="true",
+    )
+    yield
+
+
+def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: dict | None = None):
+    proc = subprocess.run(
+        [sys.executable, "-m", "xtrain", *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"xtrain {' '.join(overrides)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory) -> Path:
+    """One short default-config run shared by the tests that only read its outputs."""
+    run_dir = tmp_path_factory.mktemp("short") / "run"
+    run_xtrain(f"run_dir={run_dir}", *SHORT)
+    return run_dir

@@ -1,0 +1,86 @@
+"""Bad input: one line naming the setting, the bad value and what would work; exit 2; nothing damaged."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from conftest import run_xtrain
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root with a hash of its content."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def assert_one_line_error(proc, *expected: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["trainer.batch_size=0"], ["trainer.batch_size=0", "must be > 0"]),
+        (["trainer.batch_size=-4"], ["trainer.batch_size=-4", "must be > 0"]),
+        (["trainer.max_steps=0"], ["trainer.max_steps=0", "must be > 0"]),
+        (["trainer.lr=-0.001"], ["trainer.lr=-0.001", "must be > 0"]),
+        (["trainer.lr=fast"], ["trainer.lr=fast", "not a valid float"]),
+        (["trainer.bacth_size=8"], ["trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?"]),
+        (["resum=auto"], ["resum=auto", "no such setting", "did you mean resume?"]),
+        (["model.arch=bert"], ["model.arch=bert", "expected one of [gpt2, llama]"]),
+        (["data=text", "data.files=[/no/such/dir/*.txt]"], ["data.files", "/no/such/dir/*.txt", "matches no file"]),
+        (["data=hf", "data.name=/no/such/dataset"], ["data.name=/no/such/dataset", "no such directory"]),
+        (["model=hf"], ["model.name_or_path", "needs a hub id or a local model directory"]),
+        (["model=hf", "model.name_or_path=no-such-org/no-such-model"],
+         ["model.name_or_path=no-such-org/no-such-model", "cannot be loaded", "local model directory"]),
+        (["resume=/no/such/checkpoint"], ["resume=/no/such/checkpoint", "no such checkpoint", "resume=auto"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, expected):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", *overrides, check=False)
+    assert_one_line_error(proc, *expected)
+    assert not run_dir.exists()
+
+
+def test_unknown_group_option_keeps_hydras_list_of_choices(tmp_path):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "precision=fp64", check=False)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "Could not find 'precision/fp64'" in proc.stderr
+    for choice in ("bf16", "fp16", "fp32"):
+        assert choice in proc.stderr
+
+
+def test_resume_pointing_at_a_non_checkpoint(tmp_path):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", f"resume={tmp_path}", check=False)
+    assert_one_line_error(proc, f"resume={tmp_path}", "not an xtrain checkpoint")
+
+
+def test_existing_run_is_neither_restarted_nor_damaged(short_run):
+    before = snapshot(short_run)
+    proc = run_xtrain(f"run_dir={short_run}", check=False)
+    assert_one_line_error(proc, f"run_dir={short_run}", "already holds a run", "resume=auto")
+    assert snapshot(short_run) == before
+
+
+def test_resume_from_a_checkpoint_of_another_model(short_run, tmp_path):
+    before = snapshot(short_run)
+    checkpoint = sorted((short_run / "checkpoints").iterdir())[-1]
+    proc = run_xtrain(f"run_dir={tmp_path / 'other'}", "model.hidden_size=64", f"resume={checkpoint}", check=False)
+    assert_one_line_error(proc, f"resume={checkpoint}", "another model", "hidden_size: checkpoint 128 vs run 64")
+    proc = run_xtrain(f"run_dir={short_run}", "model=tiny_llama", "resume=auto", check=False)
+    assert_one_line_error(proc, "resume=auto", "another model", "arch: checkpoint 'gpt2' vs run 'llama'")
+    assert snapshot(short_run) == before
+    assert not (tmp_path / "other").exists()

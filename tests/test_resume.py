@@ -1,0 +1,92 @@
+"""Checkpoint/resume: a run killed with SIGKILL and resumed ends bitwise equal to the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, read_metrics, read_result, run_xtrain
+
+# 40 optimizer steps x 2 micro-batches of 16 = 80 micro-batches: crosses the first epoch (~66 batches).
+RUN = ["trainer.max_steps=40", "trainer.grad_accum=2", "trainer.save_every=10", "trainer.eval_every=20",
+       "trainer.log_every=5", "trainer.warmup_steps=5", "trainer.keep_checkpoints=2"]
+
+
+def start_xtrain(*overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "xtrain", *overrides], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, checkpoint_dir: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (checkpoint_dir / "xtrain_state.json").exists():
+        assert proc.poll() is None, "run ended before it could be killed"
+        assert time.monotonic() < deadline, "checkpoint never appeared"
+        time.sleep(0.05)
+    time.sleep(0.5)  # let it train a few steps past the checkpoint: they must not count
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path, dropout):
+    overrides = [*RUN, f"model.dropout={dropout}"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run_xtrain(f"run_dir={whole}", *overrides)
+
+    proc = start_xtrain(f"run_dir={killed}", *overrides)
+    kill_after_checkpoint(proc, killed / "checkpoints" / "step_00000020")
+    assert read_result(killed)["status"] == "running"  # what a killed run leaves
+    run_xtrain(f"run_dir={killed}", *overrides, "resume=auto")
+
+    result = read_result(killed)
+    assert result["status"] == "completed" and result["resumed_from"].endswith("step_00000020")
+    expected, got = weights(whole), weights(killed)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+    # the metrics after resume are the uninterrupted run's, with no row of the killed run's lost steps
+    def losses(run_dir):
+        return [(r["step"], r.get("train/loss"), r.get("val/loss")) for r in read_metrics(run_dir)]
+    assert losses(killed) == losses(whole)
+
+
+def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", "resume=auto", "trainer.max_steps=4", "trainer.log_every=2")
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["resumed_from"] is None and result["steps"] == 4
+
+
+def test_interrupted_saves_are_ignored_and_cleaned(tmp_path):
+    """A save killed midway leaves a .tmp- dir or a step dir without xtrain_state.json: never resumed from."""
+    run_dir = tmp_path / "run"
+    common = ["trainer.max_steps=6", "trainer.save_every=3", "trainer.log_every=3", "trainer.eval_every=3"]
+    run_xtrain(f"run_dir={run_dir}", *common)
+    ckpts = run_dir / "checkpoints"
+    half_tmp = ckpts / ".tmp-step_00000009"
+    half_tmp.mkdir()
+    (half_tmp / "model.safetensors").write_bytes(b"truncated")
+    no_state = ckpts / "step_00000012"
+    no_state.mkdir()
+    (no_state / "model.safetensors").write_bytes(b"truncated")
+
+    run_xtrain(f"run_dir={run_dir}", "resume=auto", "trainer.max_steps=9", *common[1:])
+    result = read_result(run_dir)
+    assert result["resumed_from"].endswith("step_00000006") and result["steps"] == 9
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000009"]

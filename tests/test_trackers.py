@@ -1,0 +1,74 @@
+"""Trackers write what they should: metrics.jsonl (always), TensorBoard event files, W&B offline runs."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics, run_xtrain
+
+RUN = ["trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4", "trainer.save_every=8"]
+
+
+def test_tensorboard_event_files_hold_train_and_val_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", "tracker=tensorboard", *RUN)
+    log_dir = run_dir / "tensorboard" / "xtrain"  # <tracker.project>; hparams go to a sub-run below it
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    scalars = events.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "val/loss", "val/ppl"} <= set(scalars)
+    jsonl = {(r["step"], k): v for r in read_metrics(run_dir) for k, v in r.items() if k != "step"}
+    for tag in ("train/loss", "val/loss"):
+        for event in events.Scalars(tag):
+            assert event.value == pytest.approx(jsonl[(event.step, tag)], rel=1e-6)
+    assert [e.step for e in events.Scalars("val/loss")] == [0, 4, 8]
+
+
+def wandb_records(path: Path):
+    """Records of a W&B transaction log (.wandb: LevelDB log format, 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer: padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_runs_offline_without_an_account(tmp_path):
+    run_dir = tmp_path / "run"
+    # no API key, no ~/.netrc: auto mode must go offline and keep its files in the run dir
+    run_xtrain(f"run_dir={run_dir}", "tracker=wandb", *RUN, env={"HOME": str(tmp_path / "home")})
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = [], {}
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    logged = {(int(row["_step"]), key): value for row in history for key, value in row.items()}
+    for row in read_metrics(run_dir):
+        for key, value in row.items():
+            if key != "step":
+                assert logged[(row["step"], key)] == value, (row["step"], key)
+    assert config["trainer/batch_size"] == 16 and config["model/arch"] == "gpt2"

@@ -1,0 +1,106 @@
+"""Training runs end to end: the default job learns, leaves the run dir contract, and its model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import SHORT, read_metrics, read_result, run_xtrain
+
+
+@pytest.mark.slow
+def test_default_job_learns(tmp_path):
+    """`python -m xtrain` exactly as shipped (only the run dir pinned): val loss falls well below its start."""
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}")
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["steps"] == 300
+    assert result["initial_val_loss"] > 7.0  # ~ln(2048): an untrained model
+    assert result["val_loss"] < result["initial_val_loss"] - 2.0
+    assert result["val_ppl"] == pytest.approx(2.718281828 ** result["val_loss"], rel=1e-6)
+    assert "step 300 | val loss" in proc.stdout and "tokens/s" in proc.stdout
+
+
+def test_run_dir_contract(short_run):
+    assert {p.name for p in short_run.iterdir()} >= {"run.yaml", "metrics.jsonl", "result.json", "checkpoints", "model"}
+    assert "batch_size: 16" in (short_run / "run.yaml").read_text()
+    result = read_result(short_run)
+    assert result["status"] == "completed" and result["steps"] == 12 and result["world_size"] == 1
+    assert result["tokens_per_s"] > 0 and 0 < result["time_to_first_step_s"] < result["wall_time_s"]
+    # keep_checkpoints=2 of the saves at steps 6 and 12, newest last; no partial saves left
+    assert sorted(p.name for p in (short_run / "checkpoints").iterdir()) == ["step_00000006", "step_00000012"]
+
+
+def test_metrics_jsonl_has_every_logged_step_and_eval(short_run):
+    rows = read_metrics(short_run)
+    train = [r for r in rows if "train/loss" in r]
+    evals = [r for r in rows if "val/loss" in r]
+    assert [r["step"] for r in train] == [4, 8, 12]
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    assert all(r["train/lr"] > 0 and r["train/tokens_per_s"] > 0 for r in train)
+    assert train[-1]["train/tokens_seen"] == 12 * 16 * 128
+    assert evals[-1]["val/loss"] < evals[0]["val/loss"]
+    assert read_result(short_run)["val_loss"] == evals[-1]["val/loss"]
+
+
+def test_saved_model_loads_with_transformers_and_generates(short_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = short_run / "model"
+    assert (model_dir / "model.safetensors").exists()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # the saved weights are the final checkpoint's weights
+    from safetensors.torch import load_file
+
+    final = load_file(short_run / "checkpoints" / "step_00000012" / "model.safetensors")
+    for name, tensor in final.items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    inputs = tokenizer("The for statement", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 8
+    assert isinstance(tokenizer.decode(out[0]), str)
+
+
+def test_tiny_llama_trains(tmp_path):
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", "model=tiny_llama", *SHORT)
+    config = json.loads((run_dir / "model" / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    evals = [r for r in read_metrics(run_dir) if "val/loss" in r]
+    assert evals[-1]["val/loss"] < evals[0]["val/loss"]
+
+
+def test_text_files_and_pretrained_local_model(tmp_path, short_run):
+    """data=text from a glob of local files, fine-tuning model=hf from a local directory."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 300)
+    run_dir = tmp_path / "run"
+    run_xtrain(
+        f"run_dir={run_dir}", "model=hf", f"model.name_or_path={short_run / 'model'}",
+        "data=text", f"data.files=[{corpus}/*.txt]", "trainer.batch_size=4", *SHORT,
+    )
+    evals = [r for r in read_metrics(run_dir) if "val/loss" in r]
+    assert evals[-1]["val/loss"] < evals[0]["val/loss"]
+    # started from the pretrained weights: its first val loss is far below an untrained model's ~7.6
+    assert evals[0]["val/loss"] < 7.0
+
+
+def test_datasets_save_to_disk_directory(tmp_path):
+    import datasets
+
+    ds_dir = tmp_path / "ds"
+    texts = [f"Record {i}: the answer is {i * 7}. " * 20 for i in range(200)]
+    datasets.Dataset.from_dict({"body": texts, "id": list(range(200))}).save_to_disk(str(ds_dir))
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=body", *SHORT)
+    assert read_result(run_dir)["status"] == "completed"
+    bad_dir = tmp_path / "bad"
+    proc = run_xtrain(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=text", check=False)
+    assert proc.returncode == 2 and "data.text_column=text: not a column" in proc.stderr and "body, id" in proc.stderr
+    # failed before training started: the same run dir takes the corrected run
+    run_xtrain(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=body", *SHORT)
