@@ -84,3 +84,10 @@ def test_resume_from_a_checkpoint_of_another_model(short_run, tmp_path):
     assert_one_line_error(proc, "resume=auto", "another model", "arch: checkpoint 'gpt2' vs run 'llama'")
     assert snapshot(short_run) == before
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 is refused only where there is no CUDA GPU")
+def test_fp16_without_gpu_is_refused_not_silently_fp32(tmp_path):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "precision=fp16", check=False)
+    assert_one_line_error(proc, "precision=fp16", "needs a CUDA GPU", "precision=bf16")
+    assert not (tmp_path / "run").exists()

@@ -104,3 +104,15 @@ def test_datasets_save_to_disk_directory(tmp_path):
     assert proc.returncode == 2 and "data.text_column=text: not a column" in proc.stderr and "body, id" in proc.stderr
     # failed before training started: the same run dir takes the corrected run
     run_xtrain(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=body", *SHORT)
+
+
+def test_bf16_autocast_is_really_applied(tmp_path, short_run):
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", "precision=bf16", *SHORT)
+    result = read_result(run_dir)
+    assert result["precision"] == "bf16" and result["autocast"] is True
+    bf16_losses = [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+    fp32_losses = [r["train/loss"] for r in read_metrics(short_run) if "train/loss" in r]
+    # same seed and data: close to fp32, but not bit-identical (the matmuls ran in bf16)
+    assert bf16_losses == pytest.approx(fp32_losses, rel=0.02)
+    assert bf16_losses != fp32_losses

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from xtrain import checkpoint, data, model, run_dir
+from xtrain import checkpoint, data, hardware, model, run_dir
 from xtrain.config import ModelSource, RunConfig
 
 log = logging.getLogger("xtrain")
@@ -16,6 +16,7 @@ log = logging.getLogger("xtrain")
 
 def preflight(cfg: RunConfig) -> None:
     """Checks of the world outside the config (files, models, checkpoints); raise ConfigError."""
+    hardware.check(cfg)
     data.check(cfg.data)
     if cfg.model.source is ModelSource.pretrained:
         model.pretrained_config(cfg.model)

@@ -113,6 +113,8 @@ def train(run_dir: str | Path) -> dict:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns when transformers probes it
 
     accelerator = build_accelerator(cfg, run_dir)
+    # preflight (hardware.check) refuses what Accelerate would silently run in fp32
+    assert cfg.precision.name is Precision.fp32 or accelerator.native_amp, "mixed precision not active"
     set_seed(t.seed)
     resume_from = checkpoint.resolve(cfg.resume, run_dir, models.identity(cfg.model))
     if accelerator.is_main_process:
@@ -168,6 +170,7 @@ def train(run_dir: str | Path) -> dict:
 
     result = {
         "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": n_params, "resumed_from": str(resume_from) if resume_from else None,
     }
     if accelerator.is_main_process:
@@ -269,9 +272,12 @@ def train(run_dir: str | Path) -> dict:
 
 def save_model(accelerator: Accelerator, model, tokenizer, run_dir: Path) -> None:
     """`save_pretrained` (safetensors) + tokenizer into model/, replacing it atomically."""
+    from transformers.utils import logging as hf_logging
+
     state_dict = accelerator.get_state_dict(model)
     if not accelerator.is_main_process:
         return
+    hf_logging.disable_progress_bar()  # a one-shard progress bar, in the middle of the log
     tmp = run_dir / f".tmp-{rundir.MODEL}"
     shutil.rmtree(tmp, ignore_errors=True)
     accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
