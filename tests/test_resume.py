@@ -90,3 +90,9 @@ def test_interrupted_saves_are_ignored_and_cleaned(tmp_path):
     result = read_result(run_dir)
     assert result["resumed_from"].endswith("step_00000006") and result["steps"] == 9
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000009"]
+
+
+def test_resume_of_a_finished_run_says_what_to_raise(short_run):
+    proc = run_xtrain(f"run_dir={short_run}", "resume=auto", "trainer.max_steps=12", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "already trained 12 steps" in proc.stderr and "raise trainer.max_steps" in proc.stderr

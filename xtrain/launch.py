@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from xtrain import checkpoint, data, hardware, model, run_dir
-from xtrain.config import ModelSource, RunConfig
+from xtrain.config import ConfigError, ModelSource, RunConfig
 
 log = logging.getLogger("xtrain")
 
@@ -20,7 +20,14 @@ def preflight(cfg: RunConfig) -> None:
     data.check(cfg.data)
     if cfg.model.source is ModelSource.pretrained:
         model.pretrained_config(cfg.model)
-    checkpoint.resolve(cfg.resume, cfg.run_dir, model.identity(cfg.model))
+    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, model.identity(cfg.model))
+    if resume_from is not None:
+        done = checkpoint.read_state(resume_from)["step"]
+        if done >= cfg.trainer.max_steps:
+            raise ConfigError(
+                f"resume={cfg.resume}: {resume_from} has already trained {done} steps; "
+                f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps"
+            )
 
 
 def launch(cfg: RunConfig) -> dict:

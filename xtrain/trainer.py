@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -104,6 +105,51 @@ def evaluate(accelerator: Accelerator, model, loader) -> float:
     return torch.cat(losses).mean().item()
 
 
+@dataclass
+class Components:
+    """Everything the loop needs, already passed through `accelerator.prepare`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    val_loader: DataLoader
+    tokenizer: object
+    n_params: int
+    n_train: int
+    n_val: int
+
+
+def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
+    t = cfg.trainer
+    with accelerator.main_process_first():  # tokenizer training and tokenization happen once, then hit the cache
+        corpus = data.load_corpus(cfg.data)
+        tokenizer = data.tokenizer_for(corpus, cfg.model, cfg.data)
+        train_set, val_set = data.pack(corpus, tokenizer, cfg.data)
+        model = models.build(cfg.model, tokenizer, cfg.data.block_size)
+    model.train()
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
+    # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
+    train_loader = DataLoader(
+        train_set, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(t.seed)
+    )
+    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
+    if len(train_loader) == 0:
+        raise config.ConfigError(
+            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training blocks; use a smaller batch"
+        )
+    n_params = sum(p.numel() for p in model.parameters())
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, scheduler
+    )
+    return Components(
+        model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
+        tokenizer=tokenizer, n_params=n_params, n_train=len(train_set), n_val=len(val_set),
+    )
+
+
 def train(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
@@ -119,29 +165,8 @@ def train(run_dir: str | Path) -> dict:
     resume_from = checkpoint.resolve(cfg.resume, run_dir, models.identity(cfg.model))
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
-
-    with accelerator.main_process_first():
-        corpus = data.load_corpus(cfg.data)
-        tokenizer = data.tokenizer_for(corpus, cfg.model, cfg.data)
-        train_set, val_set = data.pack(corpus, tokenizer, cfg.data)
-        model = models.build(cfg.model, tokenizer, cfg.data.block_size)
-    model.train()
-    n_params = sum(p.numel() for p in model.parameters())
-    optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
-    # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
-    # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
-    train_loader = DataLoader(
-        train_set, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(t.seed)
-    )
-    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
-    if len(train_loader) == 0:
-        raise config.ConfigError(
-            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training blocks; use a smaller batch"
-        )
-    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-        model, optimizer, train_loader, val_loader, scheduler
-    )
+    c = build_components(cfg, accelerator)
+    model, optimizer, scheduler = c.model, c.optimizer, c.scheduler
 
     start_step, tokens_seen = 0, 0
     if resume_from is not None:
@@ -162,7 +187,7 @@ def train(run_dir: str | Path) -> dict:
     tokens_per_step = t.batch_size * t.grad_accum * cfg.data.block_size * world
     log.info(
         "model %.2fM params | %d train / %d val blocks of %d tokens | world %d | %s | effective batch %d sequences",
-        n_params / 1e6, len(train_set), len(val_set), cfg.data.block_size, world,
+        c.n_params / 1e6, c.n_train, c.n_val, cfg.data.block_size, world,
         accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
     )
     if resume_from is not None:
@@ -171,19 +196,19 @@ def train(run_dir: str | Path) -> dict:
     result = {
         "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
-        "model_parameters": n_params, "resumed_from": str(resume_from) if resume_from else None,
+        "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
     }
     if accelerator.is_main_process:
         rundir.write_result(run_dir, result)
 
     train_start = time.time()
     if start_step == 0:
-        initial_val = evaluate(accelerator, model, val_loader)
+        initial_val = evaluate(accelerator, model, c.val_loader)
         result["initial_val_loss"] = initial_val
         accelerator.log({"val/loss": initial_val, "val/ppl": math.exp(initial_val)}, step=0)
         log.info("step 0 | val loss %.4f | val ppl %.1f", initial_val, math.exp(initial_val))
 
-    batches = micro_batches(accelerator, train_loader, start_step * t.grad_accum)
+    batches = micro_batches(accelerator, c.train_loader, start_step * t.grad_accum)
     loss_sum = torch.zeros((), device=accelerator.device)
     loss_count, window_start, window_steps = 0, time.perf_counter(), 0
     progress = tqdm(
@@ -232,7 +257,7 @@ def train(run_dir: str | Path) -> dict:
                     loss_count, window_start, window_steps = 0, time.perf_counter(), 0
 
                 if step % t.eval_every == 0 or step == t.max_steps:
-                    val_loss = evaluate(accelerator, model, val_loader)
+                    val_loss = evaluate(accelerator, model, c.val_loader)
                     accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
                     log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
                     result["val_loss"], result["val_ppl"] = val_loss, math.exp(val_loss)
@@ -253,7 +278,7 @@ def train(run_dir: str | Path) -> dict:
         progress.close()
 
     wall = time.time() - train_start
-    save_model(accelerator, model, tokenizer, run_dir)
+    save_model(accelerator, model, c.tokenizer, run_dir)
     accelerator.end_training()
     result.update(
         status="completed",
