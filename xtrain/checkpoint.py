@@ -47,8 +47,15 @@ def read_state(path: str | Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-def resolve(resume: str, run_dir: str | Path, model_identity: dict) -> Path | None:
-    """The checkpoint to resume from (None: fresh start), checked against this run's model."""
+def identity(cfg) -> dict:
+    """What a checkpoint must match to be resumed by this run: the model and the strategy that wrote it."""
+    from xtrain import model as models
+
+    return {"model": models.identity(cfg.model), "strategy": cfg.strategy.name.value}
+
+
+def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:
+    """The checkpoint to resume from (None: fresh start), checked against this run's `identity`."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -67,11 +74,17 @@ def resolve(resume: str, run_dir: str | Path, model_identity: dict) -> Path | No
                     "give <run dir>/checkpoints/step_N or a run dir that has checkpoints"
                 )
             path = newest_inside
-    saved = read_state(path).get("model", {})
-    if saved != model_identity:
-        differ = sorted(k for k in set(saved) | set(model_identity) if saved.get(k) != model_identity.get(k))
-        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {model_identity.get(k)!r}" for k in differ)
+    state = read_state(path)
+    saved, wanted = state.get("model", {}), expected["model"]
+    if saved != wanted:
+        differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {wanted.get(k)!r}" for k in differ)
         raise ConfigError(f"resume={resume}: checkpoint of another model ({detail}); resume with the same model settings")
+    if state.get("strategy") != expected["strategy"]:
+        raise ConfigError(
+            f"resume={resume}: checkpoint written with strategy={state.get('strategy')}, this run uses "
+            f"strategy={expected['strategy']}; resume with strategy={state.get('strategy')}"
+        )
     return path
 
 

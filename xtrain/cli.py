@@ -100,8 +100,9 @@ def hydra_main(cfg: DictConfig):
         return launch(run_config).get("val_loss")
     except ConfigError as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
-        _remove_if_empty(Path(output_dir))
         fail(str(err))
+    finally:  # a dry run or a refused run leaves no empty run dir behind
+        _remove_if_empty(Path(output_dir))
 
 
 def _remove_if_empty(path: Path) -> None:

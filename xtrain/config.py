@@ -58,6 +58,30 @@ class Precision(Enum):
     fp8 = "fp8"
 
 
+class Offload(Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class FsdpSharding(Enum):
+    full_shard = "full_shard"  # params, grads, optimizer states sharded (~ ZeRO-3)
+    shard_grad_op = "shard_grad_op"  # grads and optimizer states sharded (~ ZeRO-2)
+    hybrid_shard = "hybrid_shard"  # full_shard within a node, replicated across nodes
+    no_shard = "no_shard"  # replicated (~ DDP)
+
+
+class StateDictType(Enum):
+    full = "full"
+    sharded = "sharded"
+
+
+class Fp8Backend(Enum):
+    te = "te"  # NVIDIA Transformer Engine
+    torchao = "torchao"
+    msamp = "msamp"
+
+
 class ClusterKind(Enum):
     local = "local"
     slurm = "slurm"
@@ -80,6 +104,8 @@ class ModelConfig:
     hidden_size: int = 128
     num_layers: int = 4
     num_heads: int = 4
+    num_kv_heads: Optional[int] = None
+    """Llama only: key/value heads for grouped-query attention (default: num_heads)."""
     intermediate_size: int = 512
     vocab_size: int = 2048
     """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
@@ -92,6 +118,10 @@ class ModelConfig:
             _positive(f"model.{name}", getattr(self, name))
         if self.vocab_size < 260:
             raise ConfigError(f"model.vocab_size={self.vocab_size}: must be >= 260 (256 bytes + special tokens)")
+        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads}: must divide model.num_heads={self.num_heads}"
+            )
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model.hidden_size={self.hidden_size}: must be divisible by model.num_heads={self.num_heads}"
@@ -130,21 +160,85 @@ class DataConfig:
 @dataclass
 class StrategyConfig:
     name: Strategy = Strategy.ddp
+    # ZeRO (DeepSpeed) ------------------------------------------------------------------
+    offload_optimizer: Offload = Offload.none
+    """zero1/2/3: where optimizer states live (`cpu`, `nvme`)."""
+    offload_param: Offload = Offload.none
+    """zero3 only: where parameters live between uses."""
+    nvme_path: Optional[str] = None
+    """Directory for `nvme` offload."""
+    deepspeed_config: Optional[str] = None
+    """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
+    # FSDP --------------------------------------------------------------------------------
+    fsdp_version: int = 2
+    sharding: FsdpSharding = FsdpSharding.full_shard
+    cpu_offload: bool = False
+    """Parameters (and their gradients, optimizer states) on the CPU between uses."""
+    wrap_layer: Optional[str] = None
+    """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
+    activation_checkpointing: bool = False
+    state_dict_type: StateDictType = StateDictType.sharded
+    """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
+    cpu_ram_efficient_loading: bool = True
+    """Pretrained weights are loaded on rank 0 only and broadcast."""
+
+    def __post_init__(self) -> None:
+        zero = self.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3)
+        if not zero:
+            for key in ("offload_optimizer", "offload_param"):
+                if getattr(self, key) is not Offload.none:
+                    raise ConfigError(
+                        f"strategy.{key}={getattr(self, key).value}: only for strategy=zero1|zero2|zero3"
+                        + ("; with fsdp use strategy.cpu_offload=true" if self.name is Strategy.fsdp else "")
+                    )
+            if self.deepspeed_config:
+                raise ConfigError(
+                    f"strategy.deepspeed_config={self.deepspeed_config}: only for strategy=zero1|zero2|zero3"
+                )
+        if self.offload_param is not Offload.none and self.name is not Strategy.zero3:
+            raise ConfigError(f"strategy.offload_param={self.offload_param.value}: needs strategy=zero3")
+        if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
+        if self.name is not Strategy.fsdp:
+            for key in ("cpu_offload", "activation_checkpointing"):
+                if getattr(self, key):
+                    raise ConfigError(f"strategy.{key}=true: only for strategy=fsdp")
+        if self.fsdp_version not in (1, 2):
+            raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")
+        if self.name is Strategy.fsdp and self.fsdp_version == 2 and self.sharding is not FsdpSharding.full_shard:
+            raise ConfigError(
+                f"strategy.sharding={self.sharding.value}: FSDP2 shards fully (use strategy.reshard_after_forward=false "
+                "for shard_grad_op behaviour); other sharding strategies need strategy.fsdp_version=1"
+            )
 
 
 @dataclass
 class PrecisionConfig:
     name: Precision = Precision.fp32
+    fp8_backend: Fp8Backend = Fp8Backend.te
+    """precision=fp8 only: `te` (Transformer Engine), `torchao` or `msamp`."""
 
 
 @dataclass
 class ClusterConfig:
     kind: ClusterKind = ClusterKind.local
+    nodes: int = 1
     num_processes: int = 1
-    """Processes on this node."""
+    """Processes per node (one per GPU)."""
+    gpu_memory_gb: Optional[float] = None
+    """Device memory to plan against (dry_run); default: what the local GPU has."""
 
     def __post_init__(self) -> None:
+        _positive("cluster.nodes", self.nodes)
         _positive("cluster.num_processes", self.num_processes)
+        if self.gpu_memory_gb is not None:
+            _positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.num_processes
 
 
 @dataclass
@@ -204,18 +298,8 @@ class RunConfig:
     """Where this run's files go; also Hydra's output dir."""
     resume: str = "none"
     """`none`, `auto` (newest checkpoint in run_dir, fresh start if none) or a checkpoint path."""
-
-    def __post_init__(self) -> None:
-        if self.strategy.name is not Strategy.ddp:
-            raise ConfigError(f"strategy={self.strategy.name.value}: not available yet; use strategy=ddp")
-        if self.precision.name is Precision.fp8:
-            raise ConfigError("precision=fp8: not available yet; use precision=fp32, bf16 or fp16")
-        if self.cluster.kind is not ClusterKind.local:
-            raise ConfigError(f"cluster={self.cluster.kind.value}: not available yet; use cluster=local")
-        if self.cluster.num_processes != 1:
-            raise ConfigError(
-                f"cluster.num_processes={self.cluster.num_processes}: multi-process launch is not available yet; use 1"
-            )
+    dry_run: bool = False
+    """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
 
 
 def cache_dir(data: DataConfig) -> str:

@@ -1,22 +1,73 @@
-"""What this machine can run: checked before launch, so a request is never silently downgraded."""
+"""What this machine can run: checked before launch, so a request is never silently downgraded.
+
+Accelerate 1.15 runs FSDP and DeepSpeed only on accelerators: on a CPU it silently wraps
+an FSDP model in DDP, and DeepSpeed fails on a batch-size assertion. fp16 on a CPU is
+silently fp32. xtrain refuses each of these before anything starts.
+"""
 
 from __future__ import annotations
 
-from xtrain.config import ConfigError, Precision, RunConfig
+import importlib.util
+
+from xtrain.config import ConfigError, Fp8Backend, Precision, RunConfig, Strategy
+
+FP8_PACKAGES = {
+    Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
+    Fp8Backend.torchao: ("torchao", "pip install torchao"),
+    Fp8Backend.msamp: ("msamp", "see github.com/Azure/MS-AMP"),
+}
 
 
-def check(cfg: RunConfig) -> None:
+def local_gpu_gb() -> float | None:
     import torch
 
-    precision = cfg.precision.name
     if not torch.cuda.is_available():
-        if precision is Precision.fp16:
-            raise ConfigError(
-                "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
-                "use precision=bf16 (autocast, fast on CPUs with bf16 units) or precision=fp32"
-            )
-    elif precision is Precision.bf16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError(
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 1e9
+
+
+def refusal(cfg: RunConfig) -> str | None:
+    """Why this machine cannot run the request, or None."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    strategy, precision = cfg.strategy.name, cfg.precision.name
+    if strategy is not Strategy.ddp and not cuda:
+        kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"
+        return (
+            f"strategy={strategy.value}: {kind} needs CUDA GPUs and this machine has none (Accelerate would "
+            f"{'silently train plain DDP' if strategy is Strategy.fsdp else 'fail inside DeepSpeed'}); "
+            "use strategy=ddp here, or run on GPU machines (dry_run=true shows the plan anywhere)"
+        )
+    if precision is Precision.fp16 and not cuda:
+        return (
+            "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
+            "use precision=bf16 (autocast, fast on CPUs with bf16 units) or precision=fp32"
+        )
+    if precision is Precision.bf16 and cuda and not torch.cuda.is_bf16_supported():
+        return (
             f"precision=bf16: this GPU ({torch.cuda.get_device_name()}) does not support bf16; "
             "use precision=fp16 or precision=fp32"
         )
+    if precision is Precision.fp8:
+        if not cuda:
+            return "precision=fp8: needs a GPU with FP8 units (compute capability >= 8.9, e.g. H100, L4) and this machine has none; use precision=bf16"
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            return (
+                f"precision=fp8: {torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) "
+                "has no FP8 units (needs >= 8.9, e.g. H100, L4); use precision=bf16"
+            )
+        module, install = FP8_PACKAGES[cfg.precision.fp8_backend]
+        if importlib.util.find_spec(module) is None:
+            return (
+                f"precision.fp8_backend={cfg.precision.fp8_backend.value}: {module} is not installed ({install}); "
+                "install it or choose another precision.fp8_backend (te, torchao, msamp)"
+            )
+    return None
+
+
+def check(cfg: RunConfig) -> None:
+    reason = refusal(cfg)
+    if reason:
+        raise ConfigError(reason)

@@ -1,26 +1,44 @@
 """From a validated RunConfig to a running training: preflight checks, run dir, workers.
 
 The driver checks everything it can before anything starts, creates the run dir and
-writes `run.yaml`; workers only ever read that file.
+writes `run.yaml` (plus the equivalent `accelerate_config.yaml` / `deepspeed.json`);
+workers only ever read the run dir.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
-from xtrain import checkpoint, data, hardware, model, run_dir
-from xtrain.config import ConfigError, ModelSource, RunConfig
+import yaml
+
+from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir
+from xtrain.config import ConfigError, ModelSource, Offload, RunConfig
+from xtrain.files import write_atomic
 
 log = logging.getLogger("xtrain")
 
+ACCELERATE_CONFIG = "accelerate_config.yaml"
+DEEPSPEED_CONFIG = "deepspeed.json"
+
 
 def preflight(cfg: RunConfig) -> None:
-    """Checks of the world outside the config (files, models, checkpoints); raise ConfigError."""
+    """Checks of the machine and the world outside the config (files, models, checkpoints)."""
     hardware.check(cfg)
+    if cfg.cluster.world_size > 1:
+        raise ConfigError(
+            f"cluster.num_processes={cfg.cluster.num_processes}, cluster.nodes={cfg.cluster.nodes}: multi-process "
+            "launch is not available yet (dry_run=true plans it); use cluster.num_processes=1 cluster.nodes=1"
+        )
+    nvme = cfg.strategy.nvme_path
+    if Offload.nvme in (cfg.strategy.offload_optimizer, cfg.strategy.offload_param) and not os.path.isdir(nvme):
+        raise ConfigError(f"strategy.nvme_path={nvme}: no such directory")
     data.check(cfg.data)
     if cfg.model.source is ModelSource.pretrained:
         model.pretrained_config(cfg.model)
-    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, model.identity(cfg.model))
+    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:
         done = checkpoint.read_state(resume_from)["step"]
         if done >= cfg.trainer.max_steps:
@@ -30,9 +48,25 @@ def preflight(cfg: RunConfig) -> None:
             )
 
 
+def export_accelerate_files(cfg: RunConfig, path: Path) -> None:
+    """The same run for plain `accelerate launch --config_file <run dir>/accelerate_config.yaml`."""
+    _, facts = plan.model_facts(cfg)
+    ds_path = None
+    if plugins.is_zero(cfg):
+        ds_path = path / DEEPSPEED_CONFIG
+        ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+        write_atomic(ds_path, json.dumps(ds, indent=2) + "\n")
+    write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(plugins.accelerate_config(cfg, facts, str(ds_path))))
+
+
 def launch(cfg: RunConfig) -> dict:
+    if cfg.dry_run:
+        the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
+        print(plan.render(the_plan))
+        return {"dry_run": True, "fits": the_plan.fits}
     preflight(cfg)
     path = run_dir.prepare(cfg)
+    export_accelerate_files(cfg, path)
     log.info("run dir: %s", path)
     from xtrain.trainer import train
 

@@ -41,7 +41,7 @@ def transformers_config(model: ModelConfig, vocab_size: int, block_size: int, eo
 
     return LlamaConfig(
         hidden_size=model.hidden_size, num_hidden_layers=model.num_layers, num_attention_heads=model.num_heads,
-        num_key_value_heads=model.num_heads, intermediate_size=model.intermediate_size,
+        num_key_value_heads=model.num_kv_heads or model.num_heads, intermediate_size=model.intermediate_size,
         max_position_embeddings=block_size, attention_dropout=model.dropout, tie_word_embeddings=True, **common,
     )
 
@@ -71,5 +71,34 @@ def identity(model: ModelConfig) -> dict:
         return {"source": "pretrained", "name_or_path": model.name_or_path}
     return {
         "source": "config", "arch": model.arch.value, "hidden_size": model.hidden_size, "num_layers": model.num_layers,
-        "num_heads": model.num_heads, "intermediate_size": model.intermediate_size, "vocab_size": model.vocab_size,
+        "num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads, "intermediate_size": model.intermediate_size,
+        "vocab_size": model.vocab_size,
     }
+
+
+def on_meta(model: ModelConfig, block_size: int):
+    """The model with no storage (meta device): for counting parameters and finding its layer classes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf_config = transformers_config(model, model.vocab_size, block_size, eos_token_id=0)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def fsdp_wrap_layer(requested: str | None, meta_model) -> str:
+    """The transformer block class FSDP wraps: `strategy.wrap_layer`, else the model's `_no_split_modules`."""
+    present = sorted({type(m).__name__ for m in meta_model.modules()})
+    declared = [name for name in (getattr(meta_model, "_no_split_modules", None) or []) if name in present]
+    layer = requested or (declared[0] if declared else None)
+    if layer is None:
+        raise ConfigError(
+            f"strategy.wrap_layer is empty: {type(meta_model).__name__} declares no layer class to wrap "
+            "(_no_split_modules); set it to the model's transformer block class"
+        )
+    if layer not in present:
+        blocks = [n for n in present if n.endswith(("Block", "Layer"))] or present
+        raise ConfigError(
+            f"strategy.wrap_layer={layer}: no such layer in {type(meta_model).__name__}; choose one of {', '.join(blocks)}"
+        )
+    return layer

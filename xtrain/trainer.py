@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, data, model as models, run_dir as rundir, tracking
+from xtrain import checkpoint, config, data, model as models, plan, plugins, run_dir as rundir, tracking
 from xtrain.config import Precision, RunConfig
 from xtrain.files import replace_dir
 
@@ -42,13 +42,11 @@ class _DropTiedWeightsNote(logging.Filter):
 
 logging.getLogger("accelerate.utils.other").addFilter(_DropTiedWeightsNote())
 
-MIXED_PRECISION = {Precision.fp32: "no", Precision.fp16: "fp16", Precision.bf16: "bf16", Precision.fp8: "fp8"}
-
-
 def build_accelerator(cfg: RunConfig, run_dir: Path) -> Accelerator:
+    _, facts = plan.model_facts(cfg)
     return Accelerator(
         cpu=not torch.cuda.is_available(),
-        mixed_precision=MIXED_PRECISION[cfg.precision.name],
+        **plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg)),
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.trainer.grad_accum, sync_with_dataloader=False
         ),
@@ -160,9 +158,9 @@ def train(run_dir: str | Path) -> dict:
 
     accelerator = build_accelerator(cfg, run_dir)
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
-    assert cfg.precision.name is Precision.fp32 or accelerator.native_amp, "mixed precision not active"
+    assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg), "no autocast"
     set_seed(t.seed)
-    resume_from = checkpoint.resolve(cfg.resume, run_dir, models.identity(cfg.model))
+    resume_from = checkpoint.resolve(cfg.resume, run_dir, checkpoint.identity(cfg))
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator)
@@ -265,7 +263,7 @@ def train(run_dir: str | Path) -> dict:
                 if step % t.save_every == 0 or step == t.max_steps:
                     checkpoint.save(
                         accelerator, run_dir, step,
-                        {"tokens_seen": tokens_seen, "model": models.identity(cfg.model)}, t.keep_checkpoints,
+                        {"tokens_seen": tokens_seen, **checkpoint.identity(cfg)}, t.keep_checkpoints,
                     )
                 result["steps"] = step
     except BaseException as err:
