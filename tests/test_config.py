@@ -16,16 +16,20 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 # The public contract: renaming or removing one of these is a deliberate act (update this list).
 GOLDEN_KEYS = """
-model.source model.arch model.name_or_path model.hidden_size model.num_layers model.num_heads
+model.source model.arch model.name_or_path model.hidden_size model.num_layers model.num_heads model.num_kv_heads
 model.intermediate_size model.vocab_size model.dropout
 data.source data.files data.name data.config_name data.split data.text_column data.block_size data.val_fraction
 data.cache_dir
-strategy.name precision.name cluster.kind cluster.num_processes
+strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
+strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
+strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading
+precision.name precision.fp8_backend
+cluster.kind cluster.nodes cluster.num_processes cluster.gpu_memory_gb
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
 trainer.log_every trainer.seed
 tracker.kind tracker.project tracker.wandb_mode
-run_dir resume
+run_dir resume dry_run
 """.split()
 
 

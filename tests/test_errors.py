@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -86,8 +88,32 @@ def test_resume_from_a_checkpoint_of_another_model(short_run, tmp_path):
     assert not (tmp_path / "other").exists()
 
 
+def test_resume_under_another_strategy_is_refused(short_run, tmp_path):
+    checkpoint = sorted((short_run / "checkpoints").iterdir())[-1]
+    copy = tmp_path / "step"
+    shutil.copytree(checkpoint, copy)
+    state = json.loads((copy / "xtrain_state.json").read_text())
+    (copy / "xtrain_state.json").write_text(json.dumps({**state, "strategy": "zero2"}))
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", f"resume={copy}", "trainer.max_steps=20", check=False)
+    assert_one_line_error(proc, f"resume={copy}", "written with strategy=zero2", "this run uses strategy=ddp",
+                          "resume with strategy=zero2")
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 is refused only where there is no CUDA GPU")
 def test_fp16_without_gpu_is_refused_not_silently_fp32(tmp_path):
     proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "precision=fp16", check=False)
     assert_one_line_error(proc, "precision=fp16", "needs a CUDA GPU", "precision=bf16")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="refused only where there is no CUDA GPU")
+@pytest.mark.parametrize("overrides,expected", [
+    (["strategy=fsdp"], ["strategy=fsdp: FSDP needs CUDA GPUs", "silently train plain DDP", "use strategy=ddp"]),
+    (["strategy=zero2"], ["strategy=zero2: DeepSpeed ZeRO needs CUDA GPUs", "use strategy=ddp", "dry_run=true"]),
+    (["strategy=zero3", "precision=bf16"], ["strategy=zero3", "use strategy=ddp"]),
+    (["precision=fp8"], ["precision=fp8: needs a GPU with FP8 units", "use precision=bf16"]),
+])
+def test_strategies_the_cpu_cannot_run_are_refused_before_launch(tmp_path, overrides, expected):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", *overrides, check=False)
+    assert_one_line_error(proc, *expected)
     assert not (tmp_path / "run").exists()

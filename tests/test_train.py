@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from conftest import SHORT, read_metrics, read_result, run_xtrain
 
@@ -24,7 +25,11 @@ def test_default_job_learns(tmp_path):
 
 
 def test_run_dir_contract(short_run):
-    assert {p.name for p in short_run.iterdir()} >= {"run.yaml", "metrics.jsonl", "result.json", "checkpoints", "model"}
+    assert {p.name for p in short_run.iterdir()} >= {"run.yaml", "metrics.jsonl", "result.json", "checkpoints", "model",
+                                                    "accelerate_config.yaml"}
+    assert not (short_run / "deepspeed.json").exists()  # only for ZeRO strategies
+    exported = yaml.safe_load((short_run / "accelerate_config.yaml").read_text())
+    assert exported["distributed_type"] == "NO" and exported["mixed_precision"] == "no" and exported["num_processes"] == 1
     assert "batch_size: 16" in (short_run / "run.yaml").read_text()
     result = read_result(short_run)
     assert result["status"] == "completed" and result["steps"] == 12 and result["world_size"] == 1

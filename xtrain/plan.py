@@ -86,7 +86,7 @@ _ALTERNATIVES = [
 
 def first_fit(n_params: int, cfg: RunConfig, device_bytes: float) -> tuple[str, Memory] | None:
     for overrides, fields in _ALTERNATIVES:
-        strategy = replace(cfg.strategy, offload_optimizer=Offload.none, offload_param=Offload.none, **fields)
+        strategy = replace(cfg.strategy, **{"offload_optimizer": Offload.none, "offload_param": Offload.none, **fields})
         memory = model_state_memory(n_params, replace(cfg, strategy=strategy))
         if memory.total <= device_bytes:
             return overrides, memory

@@ -253,7 +253,7 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             **fsdp_settings(cfg, facts),
             ignored_modules=[],  # None would be read from FSDP_IGNORED_MODULES
-            min_num_params=0,
+            min_num_params=None,  # read (from FSDP_MIN_NUM_PARAMS) only for size-based wrapping
             activation_checkpointing_offload=False,
         )
     return kwargs

@@ -1,0 +1,107 @@
+"""The dry-run plan: memory estimate against the ZeRO paper, fit advice, and the CLI on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_xtrain
+from test_config import compose_run
+from xtrain import plan
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("strategy,expected_gb", [
+    # ZeRO paper (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, N_d = 64, mixed-precision Adam (K = 12)
+    ("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9),
+])
+def test_model_state_memory_matches_the_zero_paper(strategy, expected_gb):
+    cfg = compose_run(f"strategy={strategy}", "precision=bf16", "cluster.nodes=8", "cluster.num_processes=8")
+    memory = plan.model_state_memory(7_500_000_000, cfg)
+    assert memory.total / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+def test_fp32_and_fsdp_accounting():
+    psi = 1_000_000_000
+    fp32 = plan.model_state_memory(psi, compose_run("precision=fp32"))
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    fsdp = plan.model_state_memory(psi, compose_run("strategy=fsdp", "precision=bf16", "cluster.num_processes=8"))
+    assert fsdp.total == pytest.approx(16 * psi / 8)
+    hybrid = plan.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",
+                                                      "strategy.sharding=hybrid_shard", "cluster.nodes=4",
+                                                      "cluster.num_processes=8"))
+    assert hybrid.total == pytest.approx(16 * psi / 8)  # sharded within a node only
+    grad_op = plan.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",
+                                                       "strategy.sharding=shard_grad_op", "cluster.num_processes=8"))
+    assert grad_op.params == 4 * psi and grad_op.grads + grad_op.optimizer == pytest.approx(12 * psi / 8)
+
+
+def test_offload_moves_states_off_the_device():
+    psi = 1_000_000_000
+    cfg = compose_run("strategy=zero3", "precision=bf16", "cluster.num_processes=4", "strategy.offload_optimizer=cpu")
+    assert plan.model_state_memory(psi, cfg).optimizer == 0
+    both = compose_run("strategy=zero3", "precision=bf16", "cluster.num_processes=4", "strategy.offload_optimizer=cpu",
+                       "strategy.offload_param=cpu")
+    memory = plan.model_state_memory(psi, both)
+    assert memory.params == memory.optimizer == 0 and memory.grads == pytest.approx(2 * psi / 4)
+
+
+def test_first_fit_suggests_the_least_sharding_that_fits():
+    cfg = compose_run("precision=bf16", "cluster.num_processes=8")
+    psi = 7_000_000_000  # per device: ddp 112 GB, zero1 28 + 10.5, zero2 14 + 12.25, zero3 14, offloads 3.5 / 1.75
+    assert plan.first_fit(psi, cfg, 120 * GB)[0] == "strategy=ddp"
+    assert plan.first_fit(psi, cfg, 80 * GB)[0] == "strategy=zero1"
+    assert plan.first_fit(psi, cfg, 30 * GB)[0] == "strategy=zero2"
+    assert plan.first_fit(psi, cfg, 20 * GB)[0] == "strategy=zero3"
+    assert plan.first_fit(psi, cfg, 4 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu"
+    assert plan.first_fit(psi, cfg, 2 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu"
+    assert plan.first_fit(psi, cfg, 1 * GB) is None
+
+
+LLAMA_70B = ["model=tiny_llama", "model.hidden_size=8192", "model.num_layers=80", "model.num_heads=64",
+             "model.num_kv_heads=8", "model.intermediate_size=28672", "model.vocab_size=32000", "data.block_size=4096"]
+
+
+def llama_params(d=8192, layers=80, heads=64, kv=8, ff=28672, vocab=32000) -> int:
+    head = d // heads
+    attention = d * d * 2 + 2 * d * kv * head  # q, o + k, v
+    mlp = 3 * d * ff
+    return layers * (attention + mlp + 2 * d) + vocab * d + d  # + norms; tied embeddings
+
+
+def test_dry_run_of_a_70b_config_on_a_cpu(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", "dry_run=true", *LLAMA_70B, "strategy=zero2", "precision=bf16",
+                      "cluster.nodes=8", "cluster.num_processes=8", "cluster.gpu_memory_gb=80", "trainer.batch_size=1")
+    out = proc.stdout
+    n = llama_params()
+    assert f"{n:,} parameters" in out
+    assert "8 node(s) x 8 process(es) = world size 64" in out
+    assert "micro 1 x grad_accum 1 x world 64 = 64 sequences = 262144 tokens" in out
+    zero2 = (2 * n + 14 * n / 64) / GB
+    assert f"= {zero2:.2f} GB" in out
+    assert f"fits         NO: {zero2:.2f} GB > 80 GB; strategy=zero3 would ({16 * n / 64 / GB:.2f} GB)" in out
+    assert "runs here    no: strategy=zero2: DeepSpeed ZeRO needs CUDA GPUs" in out
+    assert '"stage": 2' in out and '"train_batch_size": 64' in out
+    assert not run_dir.exists()  # a plan creates nothing
+
+
+def test_dry_run_of_fsdp_shows_settings_and_wrap_layer(tmp_path):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=fsdp", "precision=bf16",
+                      "model=tiny_llama", "cluster.num_processes=4")
+    assert '"transformer_cls_names_to_wrap": [\n      "LlamaDecoderLayer"\n    ]' in proc.stdout
+    assert "fits         unknown: set cluster.gpu_memory_gb" in proc.stdout
+    bad = run_xtrain(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=fsdp", "strategy.wrap_layer=Block",
+                     check=False)
+    assert bad.returncode == 2 and "strategy.wrap_layer=Block: no such layer in GPT2LMHeadModel; choose one of GPT2Block" \
+        in bad.stderr
+
+
+def test_dry_run_reports_a_deepspeed_json_conflict(tmp_path):
+    user = tmp_path / "ds.json"
+    user.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}')
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=zero2",
+                      f"strategy.deepspeed_config={user}", check=False)
+    assert proc.returncode == 2
+    assert f"strategy.deepspeed_config={user}: sets train_micro_batch_size_per_gpu=2 but trainer.batch_size gives 16" \
+        in proc.stderr
