@@ -25,3 +25,4 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/startup.py
+	$(BIN)/python benchmarks/precision.py

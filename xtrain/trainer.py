@@ -42,8 +42,7 @@ class _DropTiedWeightsNote(logging.Filter):
 
 logging.getLogger("accelerate.utils.other").addFilter(_DropTiedWeightsNote())
 
-def build_accelerator(cfg: RunConfig, run_dir: Path) -> Accelerator:
-    _, facts = plan.model_facts(cfg)
+def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
     return Accelerator(
         cpu=not torch.cuda.is_available(),
         **plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg)),
@@ -156,7 +155,8 @@ def train(run_dir: str | Path) -> dict:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns when transformers probes it
 
-    accelerator = build_accelerator(cfg, run_dir)
+    n_params_meta, facts = plan.model_facts(cfg)
+    accelerator = build_accelerator(cfg, run_dir, facts)
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
     assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg), "no autocast"
     set_seed(t.seed)
@@ -195,6 +195,7 @@ def train(run_dir: str | Path) -> dict:
         "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
+        "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
     }
     if accelerator.is_main_process:
         rundir.write_result(run_dir, result)
@@ -278,6 +279,8 @@ def train(run_dir: str | Path) -> dict:
     wall = time.time() - train_start
     save_model(accelerator, model, c.tokenizer, run_dir)
     accelerator.end_training()
+    if torch.cuda.is_available():
+        result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
     result.update(
         status="completed",
         tokens_per_s=(t.max_steps - start_step) * tokens_per_step / wall,
