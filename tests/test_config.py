@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from xtrain import cli, config
+from xtrain import cli, config, hardware
 from xtrain.config import ConfigError, ModelArch, Precision, RunConfig, TrackerKind
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -24,7 +24,8 @@ strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_pa
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading
 precision.name precision.fp8_backend
-cluster.kind cluster.nodes cluster.num_processes cluster.gpu_memory_gb
+cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
+cluster.timeout_s cluster.gpu_memory_gb
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
 trainer.log_every trainer.seed
@@ -34,10 +35,11 @@ run_dir resume dry_run
 
 
 def compose_run(*overrides: str) -> RunConfig:
+    """The typed config as the launcher sees it (num_processes=auto resolved for this machine)."""
     cli.register_schemas()
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
-    return config.from_container(cfg)
+    return hardware.resolve_processes(config.from_container(cfg))
 
 
 def options(group: str) -> list[str]:

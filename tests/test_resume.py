@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, read_metrics, read_result, run_xtrain
 
-# 40 optimizer steps x 2 micro-batches of 16 = 80 micro-batches: crosses the first epoch (~66 batches).
+# 40 optimizer steps x 2 micro-batches of 16 = 80 micro-batches: crosses the first epoch (955 blocks / 16 = 59 batches).
 RUN = ["trainer.max_steps=40", "trainer.grad_accum=2", "trainer.save_every=10", "trainer.eval_every=20",
        "trainer.log_every=5", "trainer.warmup_steps=5", "trainer.keep_checkpoints=2"]
 

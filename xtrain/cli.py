@@ -23,6 +23,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 
 from xtrain import config
 from xtrain.config import ConfigError, RunConfig
+from xtrain.multiprocess import LaunchFailed
 
 GROUP_SCHEMAS = {
     "model": config.ModelConfig,
@@ -101,6 +102,9 @@ def hydra_main(cfg: DictConfig):
     except ConfigError as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
         fail(str(err))
+    except LaunchFailed as err:
+        print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     finally:  # a dry run or a refused run leaves no empty run dir behind
         _remove_if_empty(Path(output_dir))
 

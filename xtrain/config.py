@@ -225,20 +225,44 @@ class PrecisionConfig:
 class ClusterConfig:
     kind: ClusterKind = ClusterKind.local
     nodes: int = 1
-    num_processes: int = 1
-    """Processes per node (one per GPU)."""
+    node_rank: int = 0
+    """This machine's rank among the nodes (0: the one that writes the run dir)."""
+    num_processes: str = "auto"
+    """Processes per node: a number, or `auto` (one per visible GPU, else 1)."""
+    main_process_ip: str = "127.0.0.1"
+    """Address of node 0, where the rendezvous listens."""
+    main_process_port: Optional[int] = None
+    """Rendezvous port (one node: a free port is chosen; several nodes: set the same port on each)."""
+    timeout_s: int = 600
+    """A collective that waits longer than this (a stuck or dead rank) ends the run."""
     gpu_memory_gb: Optional[float] = None
     """Device memory to plan against (dry_run); default: what the local GPU has."""
 
     def __post_init__(self) -> None:
         _positive("cluster.nodes", self.nodes)
-        _positive("cluster.num_processes", self.num_processes)
+        _positive("cluster.timeout_s", self.timeout_s)
+        if not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
+        if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):
+            raise ConfigError(f"cluster.num_processes={self.num_processes}: must be a positive number or auto")
+        if self.nodes > 1 and self.main_process_port is None:
+            raise ConfigError(
+                f"cluster.main_process_port is empty: cluster.nodes={self.nodes} needs the same port on every node, "
+                "e.g. cluster.main_process_port=29500"
+            )
+        if self.main_process_port is not None and not 0 < self.main_process_port < 65536:
+            raise ConfigError(f"cluster.main_process_port={self.main_process_port}: must be a port number (1-65535)")
         if self.gpu_memory_gb is not None:
             _positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
 
     @property
+    def processes_per_node(self) -> int:
+        assert self.num_processes != "auto", "launch resolves num_processes=auto first"
+        return int(self.num_processes)
+
+    @property
     def world_size(self) -> int:
-        return self.nodes * self.num_processes
+        return self.nodes * self.processes_per_node
 
 
 @dataclass

@@ -8,6 +8,7 @@ silently fp32. xtrain refuses each of these before anything starts.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 from xtrain.config import ConfigError, Fp8Backend, Precision, RunConfig, Strategy
 
@@ -16,6 +17,20 @@ FP8_PACKAGES = {
     Fp8Backend.torchao: ("torchao", "pip install torchao"),
     Fp8Backend.msamp: ("msamp", "see github.com/Azure/MS-AMP"),
 }
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_processes(cfg: RunConfig) -> RunConfig:
+    """`cluster.num_processes=auto` → one per visible GPU, else 1; written resolved into run.yaml."""
+    if cfg.cluster.num_processes != "auto":
+        return cfg
+    cluster = replace(cfg.cluster, num_processes=str(max(1, visible_gpus())))
+    return replace(cfg, cluster=cluster)
 
 
 def local_gpu_gb() -> float | None:

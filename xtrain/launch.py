@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import yaml
@@ -27,10 +28,11 @@ DEEPSPEED_CONFIG = "deepspeed.json"
 def preflight(cfg: RunConfig) -> None:
     """Checks of the machine and the world outside the config (files, models, checkpoints)."""
     hardware.check(cfg)
-    if cfg.cluster.world_size > 1:
+    gpus = hardware.visible_gpus()
+    if gpus and cfg.cluster.processes_per_node > gpus:
         raise ConfigError(
-            f"cluster.num_processes={cfg.cluster.num_processes}, cluster.nodes={cfg.cluster.nodes}: multi-process "
-            "launch is not available yet (dry_run=true plans it); use cluster.num_processes=1 cluster.nodes=1"
+            f"cluster.num_processes={cfg.cluster.num_processes}: this node has {gpus} GPU(s); "
+            f"use cluster.num_processes<={gpus} (or auto)"
         )
     nvme = cfg.strategy.nvme_path
     if Offload.nvme in (cfg.strategy.offload_optimizer, cfg.strategy.offload_param) and not os.path.isdir(nvme):
@@ -59,15 +61,43 @@ def export_accelerate_files(cfg: RunConfig, path: Path) -> None:
     write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(plugins.accelerate_config(cfg, facts, str(ds_path))))
 
 
+def wait_for_run_dir(cfg: RunConfig, since: float) -> Path:
+    """Nodes other than 0 use the run dir node 0 writes (a shared filesystem): wait for its run.yaml."""
+    path = Path(cfg.run_dir)
+    deadline = time.time() + cfg.cluster.timeout_s
+    while not ((path / run_dir.RUN_CONFIG).exists() and (path / run_dir.RUN_CONFIG).stat().st_mtime >= since - 2):
+        if time.time() > deadline:
+            raise ConfigError(
+                f"cluster.node_rank={cfg.cluster.node_rank}: node 0 wrote no run.yaml in run_dir={cfg.run_dir} within "
+                f"cluster.timeout_s={cfg.cluster.timeout_s}; start node 0 with the same run_dir (on a shared filesystem)"
+            )
+        time.sleep(0.2)
+    return path
+
+
 def launch(cfg: RunConfig) -> dict:
+    started = time.time()
+    cfg = hardware.resolve_processes(cfg)
     if cfg.dry_run:
         the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
         print(plan.render(the_plan))
         return {"dry_run": True, "fits": the_plan.fits}
     preflight(cfg)
-    path = run_dir.prepare(cfg)
-    export_accelerate_files(cfg, path)
+    if cfg.cluster.node_rank > 0:
+        path = wait_for_run_dir(cfg, started)
+    else:
+        path = run_dir.prepare(cfg)
+        export_accelerate_files(cfg, path)
     log.info("run dir: %s", path)
-    from xtrain.trainer import train
+    if cfg.cluster.world_size == 1:
+        from xtrain.trainer import train
 
-    return train(path)
+        return train(path)  # in-process: no spawn cost
+    from xtrain import multiprocess
+
+    log.info(
+        "launching %d x %d processes (node %d), %d CPU threads each",
+        cfg.cluster.nodes, cfg.cluster.processes_per_node, cfg.cluster.node_rank,
+        multiprocess.threads_per_process(cfg.cluster.processes_per_node),
+    )
+    return multiprocess.run(cfg, path)

@@ -56,7 +56,7 @@ def model_state_memory(n_params: int, cfg: RunConfig) -> Memory:
         params, grads, opt = w / n, g / n, k / n
     else:  # FSDP keeps fp32 weights and gradients, sharded over its sharding group
         sharding = s.sharding if s.fsdp_version == 1 else FsdpSharding.full_shard
-        group = min(n, cfg.cluster.num_processes) if sharding is FsdpSharding.hybrid_shard else n
+        group = min(n, cfg.cluster.processes_per_node) if sharding is FsdpSharding.hybrid_shard else n
         if sharding is FsdpSharding.no_shard:
             group = 1
         params = 4 if sharding is FsdpSharding.shard_grad_op else 4 / group
@@ -143,7 +143,7 @@ def render(plan: Plan) -> str:
     m = plan.memory
     lines = [
         "xtrain plan (dry run: nothing was launched)",
-        f"  topology     {c.nodes} node(s) x {c.num_processes} process(es) = world size {c.world_size} "
+        f"  topology     {c.nodes} node(s) x {c.processes_per_node} process(es) = world size {c.world_size} "
         f"(cluster={c.kind.value})",
         f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
         f"sequences = {effective * cfg.data.block_size} tokens per optimizer step",

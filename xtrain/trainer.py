@@ -15,13 +15,20 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, GradientAccumulationPlugin, ProjectConfiguration, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    ProjectConfiguration,
+    set_seed,
+)
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -43,9 +50,14 @@ class _DropTiedWeightsNote(logging.Filter):
 logging.getLogger("accelerate.utils.other").addFilter(_DropTiedWeightsNote())
 
 def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
+    kwargs = plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+    # a collective that waits longer than this (a stuck or dead rank) raises instead of hanging
+    handlers = [*kwargs.pop("kwargs_handlers", []), InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.cluster.timeout_s))]
     return Accelerator(
+        # without cpu=True a CUDA-less multi-process launch silently trains N independent models
         cpu=not torch.cuda.is_available(),
-        **plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg)),
+        kwargs_handlers=handlers,
+        **kwargs,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.trainer.grad_accum, sync_with_dataloader=False
         ),
@@ -151,7 +163,8 @@ def train(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
     t = cfg.trainer
-    process_start = psutil.Process().create_time()
+    # from the driver's start when it launched this worker, else from this process's start
+    process_start = float(os.environ.get("XTRAIN_LAUNCH_TIME") or psutil.Process().create_time())
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns when transformers probes it
 
@@ -219,6 +232,9 @@ def train(run_dir: str | Path) -> dict:
             for step in range(start_step + 1, t.max_steps + 1):
                 for _ in range(t.grad_accum):
                     batch = next(batches)
+                    if "first_batch_token_sums" not in result:  # which data each rank got: shards must differ
+                        sums = accelerator.gather(batch["input_ids"].sum().reshape(1))
+                        result["first_batch_token_sums"] = sums.tolist()
                     with accelerator.accumulate(model):
                         loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
                         accelerator.backward(loss)

@@ -1,0 +1,155 @@
+"""Several processes from one run config: real DDP on CPU (gloo), failures that stop everything, no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, read_metrics, read_result, run_xtrain
+
+RUN = ["trainer.max_steps=16", "trainer.log_every=2", "trainer.eval_every=8", "trainer.save_every=8",
+       "trainer.warmup_steps=2"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+def processes_of(run_dir: Path) -> list[psutil.Process]:
+    """Live processes whose command line names this run dir (driver, torchrun, workers)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if any(str(run_dir) in part for part in p.info["cmdline"] or []) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def start(*overrides: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def one_process_batch_16(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    run_xtrain(f"run_dir={run_dir}", "trainer.batch_size=16", *RUN)
+    return run_dir
+
+
+def test_two_processes_follow_one_process_with_twice_the_batch(tmp_path, one_process_batch_16):
+    """2 processes x batch 8 == 1 process x batch 16 (fp32, same seed): same loss curve, halves of the same data."""
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN)
+    result, single = read_result(run_dir), read_result(one_process_batch_16)
+    assert result["world_size"] == 2 and "MULTI_CPU" in proc.stdout  # real DDP over gloo, not 2 lone trainings
+    assert "2 x" not in proc.stdout.split("launching")[0]
+    assert losses(run_dir) == pytest.approx(losses(one_process_batch_16), rel=1e-4)
+    assert result["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
+    rank0, rank1 = result["first_batch_token_sums"]
+    assert rank0 != rank1  # each rank got its own shard ...
+    assert rank0 + rank1 == single["first_batch_token_sums"][0]  # ... and together they are the 16-sequence batch
+    assert "1 CPU threads each" in proc.stdout  # 2 cores split between 2 workers
+
+
+def test_two_nodes_on_one_machine(tmp_path, one_process_batch_16):
+    """cluster.nodes=2: node 0 writes the run dir, node 1 joins the rendezvous at main_process_ip:port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    common = [f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.main_process_ip=127.0.0.1",
+              f"cluster.main_process_port={port}", "trainer.batch_size=8", *RUN]
+    node1 = start(*common, "cluster.node_rank=1")
+    node0 = start(*common, "cluster.node_rank=0")
+    for node in (node0, node1):
+        out, err = node.communicate(timeout=300)
+        assert node.returncode == 0, err
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["world_size"] == 2
+    assert losses(run_dir) == pytest.approx(losses(one_process_batch_16), rel=1e-4)
+    assert (run_dir / "logs" / "launcher-node0.log").exists() and (run_dir / "logs" / "launcher-node1.log").exists()
+
+
+FAIL_ON_RANK_1 = '''
+import os
+if os.environ.get("RANK") == "1":
+    import xtrain.trainer
+
+    def evaluate(*args, **kwargs):
+        raise RuntimeError("injected failure on rank 1")
+
+    xtrain.trainer.evaluate = evaluate
+'''
+
+
+def test_a_failing_rank_stops_every_worker_and_is_reported_first(tmp_path):
+    """Rank 1 raises (fault injected by a sitecustomize on the test side): all workers stop within seconds."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
+    run_dir = tmp_path / "run"
+    began = time.monotonic()
+    proc = run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN, check=False,
+                      env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()
+    assert last[-2] == "xtrain: error: rank 1 failed: RuntimeError: injected failure on rank 1"
+    assert last[-1].startswith("all 2 workers stopped; every rank's output:")
+    assert 'raise RuntimeError("injected failure on rank 1")' in proc.stderr  # rank 1's own traceback
+    assert "ChildFailedError" not in proc.stderr and "torch.distributed.elastic" not in proc.stderr
+    assert "ChildFailedError" in (run_dir / "logs" / "launcher-node0.log").read_text()  # kept, out of the way
+    result = read_result(run_dir)
+    assert result["status"] == "failed" and result["error"].startswith("rank 1: RuntimeError: injected failure")
+    assert time.monotonic() - began < 120
+    assert processes_of(run_dir) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_driver_stops_every_worker(tmp_path, sig):
+    run_dir = tmp_path / "run"
+    driver = start(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", "trainer.max_steps=100000",
+                   "trainer.log_every=1")
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+        assert driver.poll() is None, driver.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    workers = [p for p in processes_of(run_dir)
+               if "xtrain.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+    assert len(workers) == 2
+    driver.send_signal(sig)
+    out, err = driver.communicate(timeout=60)
+    assert driver.returncode == 128 + sig
+    assert f"stopped by {signal.Signals(sig).name}; all workers ended" in err
+    psutil.wait_procs(workers, timeout=5)
+    assert processes_of(run_dir) == []
+    assert read_result(run_dir)["status"] == "interrupted"
+
+
+def test_a_rank_stuck_outside_collectives_is_ended_by_the_timeout(tmp_path):
+    """Rank 0 blocks opening a FIFO nobody writes (reading its corpus); rank 1 waits in a barrier until
+    cluster.timeout_s, then the run ends with a message that says so."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    os.mkfifo(corpus / "stuck.txt")
+    run_dir = tmp_path / "run"
+    began = time.monotonic()
+    proc = run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "cluster.timeout_s=10", "data=text",
+                      f"data.files=[{corpus}/*.txt]", "trainer.batch_size=2", check=False, timeout=240)
+    assert proc.returncode == 1
+    assert "rank 1 failed: a collective timed out after 10 s (cluster.timeout_s): another rank is stuck or has died" \
+        in proc.stderr
+    assert time.monotonic() - began < 120
+    assert processes_of(run_dir) == []

@@ -1,0 +1,162 @@
+"""N worker processes per node through torch's elastic launcher (torchrun), supervised by the driver.
+
+The driver has written the run dir; torchrun starts `python -m xtrain.worker RUN_DIR` per
+local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to
+`logs/launcher-node<R>.log`. If a worker fails, torchrun stops the others and the driver
+shows the failing rank's own error first. SIGINT / SIGTERM to the driver stop the whole
+process tree (torchrun first, then anything left, by force after a grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from xtrain import run_dir as rundir
+from xtrain.config import ConfigError, RunConfig
+from xtrain.worker import ERRORS_DIR
+
+RANK0_PREFIX = "[default0]:"
+GRACE_S = 10
+
+
+class LaunchFailed(Exception):
+    """Workers failed; the message is the failing rank's own error."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_process(processes: int) -> int:
+    """Split this node's cores between its workers (torchrun's default is 1 thread each)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // processes)
+
+
+def torchrun_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
+    c = cfg.cluster
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={c.nodes}", f"--node-rank={c.node_rank}", f"--nproc-per-node={c.processes_per_node}",
+        f"--master-addr={c.main_process_ip}", f"--master-port={port}",
+        f"--log-dir={run_dir / 'logs' / f'node{c.node_rank}'}", "--tee=3", "--local-ranks-filter=0",
+        "-m", "xtrain.worker", str(run_dir),
+    ]
+
+
+def _pump(stream, terminal, log_file) -> None:
+    """Local rank 0's lines to the terminal (prefix removed), torchrun's own lines to its log."""
+    for line in stream:
+        if line.startswith(RANK0_PREFIX):
+            terminal.write(line[len(RANK0_PREFIX):])
+            terminal.flush()
+        else:
+            log_file.write(line)
+            log_file.flush()
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM to torchrun (it stops its workers), then SIGKILL to whatever is left after a grace period."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def first_error(run_dir: Path) -> dict | None:
+    errors = [json.loads(p.read_text()) for p in (run_dir / ERRORS_DIR).glob("rank*.json")]
+    root = [e for e in errors if not e["terminated"]] or errors
+    return min(root, key=lambda e: e["time"]) if root else None
+
+
+def record_failure(run_dir: Path, status: str, error: str) -> None:
+    """The driver's word in result.json once training had started (a rank may have died before writing it)."""
+    path = run_dir / rundir.RESULT
+    if path.exists():
+        result = json.loads(path.read_text())
+        if result.get("status") == "running":
+            rundir.write_result(run_dir, {**result, "status": status, "error": error})
+
+
+def run(cfg: RunConfig, run_dir: Path) -> dict:
+    c = cfg.cluster
+    port = c.main_process_port or free_port()
+    for stale in (run_dir / ERRORS_DIR).glob("rank*.json"):
+        stale.unlink()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads_per_process(c.processes_per_node)),
+        "XTRAIN_LAUNCH_TIME": str(psutil.Process().create_time()),
+        "PYTHONUNBUFFERED": "1",
+    }
+    log_path = run_dir / "logs" / f"launcher-node{c.node_rank}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    stopped_by: list[int] = []
+    with open(log_path, "a") as log_file:
+        proc = subprocess.Popen(
+            torchrun_command(cfg, run_dir, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver only, which stops the tree
+        )
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
+        for t in pumps:
+            t.start()
+
+        def on_signal(signum, frame):
+            stopped_by.append(signum)
+            stop_tree(proc)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        for t in pumps:
+            t.join(timeout=5)
+
+    if stopped_by:
+        name = signal.Signals(stopped_by[0]).name
+        record_failure(run_dir, "interrupted", f"stopped by {name}")
+        raise LaunchFailed(f"stopped by {name}; all workers ended", 128 + stopped_by[0])
+    if code != 0:
+        error = first_error(run_dir)
+        if error is None:
+            raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {log_path})", 1)
+        if error["config_error"]:
+            raise ConfigError(error["summary"])
+        record_failure(run_dir, "failed", f"rank {error['rank']}: {error['summary']}")
+        sys.stderr.write(error["traceback"])
+        raise LaunchFailed(
+            f"rank {error['rank']} failed: {error['summary']}\n"
+            f"all {c.world_size} workers stopped; every rank's output: {run_dir / 'logs'}", 1,
+        )
+    return json.loads((run_dir / rundir.RESULT).read_text())

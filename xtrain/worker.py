@@ -1,0 +1,78 @@
+"""One training process: `python -m xtrain.worker RUN_DIR`, started N times per node by the launcher.
+
+It reads the run dir (never composes config). A failure leaves `logs/errors/rank<R>.json`
+with the rank's own error, which the driver shows first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from xtrain.config import ConfigError
+
+ERRORS_DIR = Path("logs") / "errors"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM from the launcher: another rank failed, or the user stopped the run. An interruption, like
+    Ctrl-C: `except Exception` in library code does not swallow it, and result.json says `interrupted`."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated("stopped by SIGTERM (another rank failed, or the run was stopped)")
+
+
+def summarize(err: BaseException, timeout_s: int | None) -> str:
+    text = " ".join(str(err).split())
+    if timeout_s is not None and ("timed out" in text.lower() or "timeout" in type(err).__name__.lower()):
+        return (
+            f"a collective timed out after {timeout_s} s (cluster.timeout_s): another rank is stuck or has died "
+            f"({type(err).__name__})"
+        )
+    return text if isinstance(err, ConfigError) else f"{type(err).__name__}: {text}"[:2000]
+
+
+def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | None) -> None:
+    path = run_dir / ERRORS_DIR / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "rank": rank,
+        "time": time.time(),
+        "config_error": isinstance(err, ConfigError),
+        "terminated": isinstance(err, Terminated),
+        "summary": summarize(err, timeout_s),
+        "traceback": "".join(traceback.format_exception(err)),
+    }))
+
+
+def main() -> None:
+    run_dir = Path(sys.argv[1])
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
+        format="[%(asctime)s][%(name)s][%(levelname)s] %(message)s", datefmt="%H:%M:%S",
+    )
+    for name in ("accelerate", "datasets"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    timeout_s = None
+    try:
+        from xtrain import config, run_dir as rundir
+        from xtrain.trainer import train
+
+        timeout_s = config.load(str(run_dir / rundir.RUN_CONFIG)).cluster.timeout_s
+        train(run_dir)
+    except BaseException as err:
+        write_error(run_dir, rank, err, timeout_s)
+        raise
+
+
+if __name__ == "__main__":
+    main()
