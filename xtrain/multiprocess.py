@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -49,14 +49,27 @@ def threads_per_process(processes: int) -> int:
     return max(1, cores // processes)
 
 
-def torchrun_command(cfg: RunConfig, run_dir: Path, port: int) -> list[str]:
-    c = cfg.cluster
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    node_rank: int
+    processes_per_node: int
+    main_process_ip: str
+    main_process_port: int | None  # None: a free port (one node only)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+def torchrun_command(topology: Topology, workdir: Path, port: int, module_args: list[str]) -> list[str]:
+    t = topology
     return [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={c.nodes}", f"--node-rank={c.node_rank}", f"--nproc-per-node={c.processes_per_node}",
-        f"--master-addr={c.main_process_ip}", f"--master-port={port}",
-        f"--log-dir={run_dir / 'logs' / f'node{c.node_rank}'}", "--tee=3", "--local-ranks-filter=0",
-        "-m", "xtrain.worker", str(run_dir),
+        f"--nnodes={t.nodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.processes_per_node}",
+        f"--master-addr={t.main_process_ip}", f"--master-port={port}",
+        f"--log-dir={workdir / 'logs' / f'node{t.node_rank}'}", "--tee=3", "--local-ranks-filter=0",
+        "-m", *module_args,
     ]
 
 
@@ -106,24 +119,25 @@ def record_failure(run_dir: Path, status: str, error: str) -> None:
             rundir.write_result(run_dir, {**result, "status": status, "error": error})
 
 
-def run(cfg: RunConfig, run_dir: Path) -> dict:
-    c = cfg.cluster
-    port = c.main_process_port or free_port()
-    for stale in (run_dir / ERRORS_DIR).glob("rank*.json"):
+def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict) -> int:
+    """Run the workers under torchrun; return its exit code, or -signum if SIGINT/SIGTERM stopped them."""
+    port = topology.main_process_port or free_port()
+    for stale in (workdir / ERRORS_DIR).glob("rank*.json"):
         stale.unlink()
     env = {
         **os.environ,
-        "OMP_NUM_THREADS": str(threads_per_process(c.processes_per_node)),
+        "OMP_NUM_THREADS": str(threads_per_process(topology.processes_per_node)),
         "XTRAIN_LAUNCH_TIME": str(psutil.Process().create_time()),
         "PYTHONUNBUFFERED": "1",
+        **env,
     }
-    log_path = run_dir / "logs" / f"launcher-node{c.node_rank}.log"
+    log_path = workdir / "logs" / f"launcher-node{topology.node_rank}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stopped_by: list[int] = []
     with open(log_path, "a") as log_file:
         proc = subprocess.Popen(
-            torchrun_command(cfg, run_dir, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver only, which stops the tree
+            torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
         )
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
@@ -142,15 +156,22 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
                 signal.signal(s, handler)
         for t in pumps:
             t.join(timeout=5)
+    return -stopped_by[0] if stopped_by else code
 
-    if stopped_by:
-        name = signal.Signals(stopped_by[0]).name
+
+def run(cfg: RunConfig, run_dir: Path) -> dict:
+    """The CLI's multi-process run: workers train from the run dir; failures become LaunchFailed / ConfigError."""
+    c = cfg.cluster
+    topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
+    code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {})
+    if code < 0:
+        name = signal.Signals(-code).name
         record_failure(run_dir, "interrupted", f"stopped by {name}")
-        raise LaunchFailed(f"stopped by {name}; all workers ended", 128 + stopped_by[0])
+        raise LaunchFailed(f"stopped by {name}; all workers ended", 128 - code)
     if code != 0:
         error = first_error(run_dir)
         if error is None:
-            raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {log_path})", 1)
+            raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {run_dir / 'logs'})", 1)
         if error["config_error"]:
             raise ConfigError(error["summary"])
         record_failure(run_dir, "failed", f"rank {error['rank']}: {error['summary']}")

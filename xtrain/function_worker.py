@@ -1,0 +1,47 @@
+"""One process of a `run_with_accelerate` call: `python -m xtrain.function_worker WORKDIR`.
+
+Runs the pickled function with its keyword arguments; rank 0 writes its return value or
+its exception back for the caller. Any failing rank leaves `logs/errors/rank<R>.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import cloudpickle
+import torch
+
+from xtrain.decorator import PAYLOAD, RESULT
+from xtrain.worker import _on_sigterm, write_error
+
+
+def main() -> None:
+    workdir = Path(sys.argv[1])
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    func, kwargs = cloudpickle.loads((workdir / PAYLOAD).read_bytes())
+    try:
+        value = func(**kwargs)
+    except BaseException as err:
+        write_error(workdir, rank, err, None)
+        if rank == 0:
+            try:
+                outcome = cloudpickle.dumps(("error", err))
+            except Exception:  # an exception that does not pickle: the caller gets the error file's text
+                outcome = None
+            if outcome is not None:
+                (workdir / RESULT).write_bytes(outcome)
+        raise
+    finally:
+        # a process group left alive makes the interpreter abort at exit (C++ threads still running)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    if rank == 0:
+        (workdir / RESULT).write_bytes(cloudpickle.dumps(("ok", value)))
+
+
+if __name__ == "__main__":
+    main()
