@@ -26,3 +26,4 @@ bench: setup
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/precision.py
+	$(BIN)/python benchmarks/launch.py

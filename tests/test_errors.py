@@ -117,3 +117,10 @@ def test_strategies_the_cpu_cannot_run_are_refused_before_launch(tmp_path, overr
     proc = run_xtrain(f"run_dir={tmp_path / 'run'}", *overrides, check=False)
     assert_one_line_error(proc, *expected)
     assert not (tmp_path / "run").exists()
+
+
+def test_several_nodes_need_a_rendezvous_port(tmp_path):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "cluster.nodes=2", check=False)
+    assert_one_line_error(proc, "cluster.main_process_port is empty", "cluster.nodes=2",
+                          "cluster.main_process_port=29500")
+    assert not (tmp_path / "run").exists()

@@ -61,7 +61,7 @@ def test_two_processes_follow_one_process_with_twice_the_batch(tmp_path, one_pro
     assert "1 CPU threads each" in proc.stdout  # 2 cores split between 2 workers
 
 
-def test_two_nodes_on_one_machine(tmp_path, one_process_batch_16):
+def test_two_nodes_on_one_machine(tmp_path, started, one_process_batch_16):
     """cluster.nodes=2: node 0 writes the run dir, node 1 joins the rendezvous at main_process_ip:port."""
     import socket
 
@@ -71,8 +71,8 @@ def test_two_nodes_on_one_machine(tmp_path, one_process_batch_16):
     run_dir = tmp_path / "run"
     common = [f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.main_process_ip=127.0.0.1",
               f"cluster.main_process_port={port}", "trainer.batch_size=8", *RUN]
-    node1 = start(*common, "cluster.node_rank=1")
-    node0 = start(*common, "cluster.node_rank=0")
+    node1 = started(*common, "cluster.node_rank=1")
+    node0 = started(*common, "cluster.node_rank=0")
     for node in (node0, node1):
         out, err = node.communicate(timeout=300)
         assert node.returncode == 0, err
@@ -116,11 +116,29 @@ def test_a_failing_rank_stops_every_worker_and_is_reported_first(tmp_path):
     assert processes_of(run_dir) == []
 
 
+@pytest.fixture
+def started():
+    """Start drivers; any still running when the test ends (a failed assertion) are stopped with their tree."""
+    drivers: list[subprocess.Popen] = []
+
+    def launch(*overrides: str) -> subprocess.Popen:
+        drivers.append(start(*overrides))
+        return drivers[-1]
+
+    yield launch
+    for driver in drivers:
+        if driver.poll() is None:
+            tree = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+            for p in tree:
+                p.kill()
+            psutil.wait_procs(tree, timeout=10)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_driver_stops_every_worker(tmp_path, sig):
+def test_signal_to_the_driver_stops_every_worker(tmp_path, started, sig):
     run_dir = tmp_path / "run"
-    driver = start(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", "trainer.max_steps=100000",
-                   "trainer.log_every=1")
+    driver = started(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8",
+                     "trainer.max_steps=100000", "trainer.log_every=1")
     deadline = time.monotonic() + 120
     while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
         assert driver.poll() is None, driver.communicate()

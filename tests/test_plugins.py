@@ -121,19 +121,11 @@ def comparable(plugin) -> dict:
 def launch_env(config_file: str) -> dict:
     """What `accelerate launch --config_file F` puts in the workers' environment (its own code paths)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    from xtrain.decorator import _accelerate_env
 
     args = launch_command_parser().parse_args(["--config_file", config_file, "train.py"])
-    args, defaults, mp_from_config = _validate_launch_command(args)
-    if args.use_deepspeed:  # as accelerate.commands.launch.launch_command dispatches
-        fields = list(defaults.deepspeed_config.keys()) if defaults else []
-        if mp_from_config:
-            fields.append("mixed_precision")
-        args.deepspeed_fields_from_accelerate_config = ",".join(fields)
-        _, env = prepare_deepspeed_cmd_env(args)
-    else:
-        env = prepare_multi_gpu_env(args)
-    return {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
+    return _accelerate_env(*_validate_launch_command(args), port=29500)
 
 
 def export(cfg, tmp_path):

@@ -245,11 +245,6 @@ class ClusterConfig:
             raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
         if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):
             raise ConfigError(f"cluster.num_processes={self.num_processes}: must be a positive number or auto")
-        if self.nodes > 1 and self.main_process_port is None:
-            raise ConfigError(
-                f"cluster.main_process_port is empty: cluster.nodes={self.nodes} needs the same port on every node, "
-                "e.g. cluster.main_process_port=29500"
-            )
         if self.main_process_port is not None and not 0 < self.main_process_port < 65536:
             raise ConfigError(f"cluster.main_process_port={self.main_process_port}: must be a port number (1-65535)")
         if self.gpu_memory_gb is not None:

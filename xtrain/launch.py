@@ -28,6 +28,12 @@ DEEPSPEED_CONFIG = "deepspeed.json"
 def preflight(cfg: RunConfig) -> None:
     """Checks of the machine and the world outside the config (files, models, checkpoints)."""
     hardware.check(cfg)
+    c = cfg.cluster
+    if c.nodes > 1 and c.main_process_port is None:
+        raise ConfigError(
+            f"cluster.main_process_port is empty: cluster.nodes={c.nodes} needs the same port on every node, "
+            "e.g. cluster.main_process_port=29500"
+        )
     gpus = hardware.visible_gpus()
     if gpus and cfg.cluster.processes_per_node > gpus:
         raise ConfigError(
