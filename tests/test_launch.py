@@ -156,6 +156,19 @@ def test_signal_to_the_driver_stops_every_worker(tmp_path, started, sig):
     assert read_result(run_dir)["status"] == "interrupted"
 
 
+def test_two_runs_at_once_on_one_machine_do_not_collide(tmp_path, started):
+    """Each local launch picks a free rendezvous port."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    drivers = [started(f"run_dir={run}", "cluster.num_processes=2", "trainer.batch_size=8", "trainer.max_steps=6",
+                       "trainer.log_every=3", "trainer.eval_every=6", "trainer.save_every=6") for run in runs]
+    for driver in drivers:
+        _, err = driver.communicate(timeout=300)
+        assert driver.returncode == 0, err
+    results = [read_result(run) for run in runs]
+    assert all(r["status"] == "completed" and r["world_size"] == 2 for r in results)
+    assert results[0]["rendezvous"] != results[1]["rendezvous"]
+
+
 def test_a_rank_stuck_outside_collectives_is_ended_by_the_timeout(tmp_path):
     """Rank 0 blocks opening a FIFO nobody writes (reading its corpus); rank 1 waits in a barrier until
     cluster.timeout_s, then the run ends with a message that says so."""

@@ -60,8 +60,20 @@ def check(data: DataConfig) -> None:
     """Cheap checks of the data source before anything is launched."""
     if data.source is DataSource.text:
         resolve_files(data.files)
-    elif data.source is DataSource.hf and _looks_like_path(data.name) and not is_local_dataset_dir(data.name):
-        raise ConfigError(f"data.name={data.name}: no such directory; give a save_to_disk directory or a hub dataset name")
+    elif data.source is DataSource.hf and not is_local_dataset_dir(data.name):
+        if _looks_like_path(data.name):
+            raise ConfigError(
+                f"data.name={data.name}: no such directory; give a save_to_disk directory or a hub dataset name"
+            )
+        import datasets
+
+        try:  # resolves the hub dataset (from the cache when offline) without loading it
+            datasets.load_dataset_builder(data.name, data.config_name, cache_dir=os.path.join(cache_dir(data), "hub"))
+        except Exception as err:  # datasets raises many kinds here; each means "cannot be loaded"
+            raise ConfigError(
+                f"data.name={data.name}: cannot be loaded ({_first_line(err)[:200]}); "
+                "give a save_to_disk directory, or a hub dataset that is cached or reachable"
+            ) from None
 
 
 def _looks_like_path(name: str) -> bool:

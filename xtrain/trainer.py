@@ -210,6 +210,8 @@ def train(run_dir: str | Path) -> dict:
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
         "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
     }
+    if world > 1:
+        result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     if accelerator.is_main_process:
         rundir.write_result(run_dir, result)
 
