@@ -285,6 +285,8 @@ def train(run_dir: str | Path) -> dict:
                         {"tokens_seen": tokens_seen, **checkpoint.identity(cfg)}, t.keep_checkpoints,
                     )
                 result["steps"] = step
+        wall = time.time() - train_start
+        save_model(accelerator, model, c.tokenizer, run_dir)
     except BaseException as err:
         result["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         result["error"] = f"{type(err).__name__}: {err}"
@@ -294,8 +296,6 @@ def train(run_dir: str | Path) -> dict:
     finally:
         progress.close()
 
-    wall = time.time() - train_start
-    save_model(accelerator, model, c.tokenizer, run_dir)
     accelerator.end_training()
     if torch.cuda.is_available():
         result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
