@@ -26,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 MARK = "__xtrain_run_with_accelerate__"
 INSIDE = "XTRAIN_FUNCTION_WORKER"
 PAYLOAD, RESULT = "function.pkl", "result.pkl"
@@ -102,8 +104,6 @@ def _call(func, kwargs: dict, launch_args: dict):
 
     from xtrain.multiprocess import Topology, first_error, free_port, supervise
 
-    import torch
-
     args, defaults, mp_from_config = _launch_args(launch_args, torch.cuda.is_available())
     machines = args.num_machines or 1
     topology = Topology(
@@ -145,8 +145,6 @@ def run_with_accelerate(func=None, /, **launch_args):
             f"run_with_accelerate takes `accelerate launch` options as keywords, e.g. "
             f"@run_with_accelerate(num_processes=2); got the positional argument {func!r}"
         )
-    import torch
-
     # unknown, invalid or unrunnable launch options fail at decoration, not at the first call
     _launch_args(launch_args, torch.cuda.is_available())
 

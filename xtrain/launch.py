@@ -35,9 +35,9 @@ def preflight(cfg: RunConfig) -> None:
             "e.g. cluster.main_process_port=29500"
         )
     gpus = hardware.visible_gpus()
-    if gpus and cfg.cluster.processes_per_node > gpus:
+    if gpus and c.processes_per_node > gpus:
         raise ConfigError(
-            f"cluster.num_processes={cfg.cluster.num_processes}: this node has {gpus} GPU(s); "
+            f"cluster.num_processes={c.num_processes}: this node has {gpus} GPU(s); "
             f"use cluster.num_processes<={gpus} (or auto)"
         )
     nvme = cfg.strategy.nvme_path
