@@ -255,3 +255,32 @@ def test_strategy_and_precision_options_match_the_enums():
 
     assert options("strategy") == sorted(s.value for s in Strategy)
     assert options("precision") == sorted(p.value for p in Precision)
+
+
+@pytest.mark.parametrize(("overrides", "distributed_type", "processes"), [
+    (["strategy=fsdp"], "NO", 1),  # single process without a launcher: Accelerate drops FSDP
+    (["strategy=fsdp", "cluster.num_processes=2"], "MULTI_GPU", 2),
+    (["strategy=zero3"], "NO", 1),
+    (["strategy=ddp", "cluster.num_processes=2"], "NO", 1),  # N lone processes
+    (["strategy=ddp", "cluster.num_processes=2"], "MULTI_CPU", 1),
+])
+def test_a_setup_other_than_the_requested_one_stops_the_run(overrides, distributed_type, processes):
+    from accelerate.utils import DistributedType
+    from xtrain.trainer import check_setup
+
+    with pytest.raises(RuntimeError, match="stopping rather than training something else"):
+        check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)
+
+
+@pytest.mark.parametrize(("overrides", "distributed_type", "processes"), [
+    ([], "NO", 1),
+    (["cluster.num_processes=2"], "MULTI_CPU", 2),
+    (["cluster.num_processes=2"], "MULTI_GPU", 2),
+    (["strategy=zero1"], "DEEPSPEED", 1),
+    (["strategy=fsdp", "cluster.num_processes=2"], "FSDP", 2),
+])
+def test_the_requested_setup_passes(overrides, distributed_type, processes):
+    from accelerate.utils import DistributedType
+    from xtrain.trainer import check_setup
+
+    check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)

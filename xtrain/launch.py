@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir
-from xtrain.config import ConfigError, ModelSource, Offload, RunConfig
+from xtrain.config import ConfigError, ModelSource, Offload, RunConfig, Strategy
 from xtrain.files import write_atomic
 
 log = logging.getLogger("xtrain")
@@ -95,10 +95,12 @@ def launch(cfg: RunConfig) -> dict:
         path = run_dir.prepare(cfg)
         export_accelerate_files(cfg, path)
     log.info("run dir: %s", path)
-    if cfg.cluster.world_size == 1:
+    # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
+    # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
+    if cfg.cluster.world_size == 1 and cfg.strategy.name is Strategy.ddp:
         from xtrain.trainer import train
 
-        return train(path)  # in-process: no spawn cost
+        return train(path)
     from xtrain import multiprocess
 
     log.info(

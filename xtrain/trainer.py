@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     ProjectConfiguration,
@@ -33,7 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, data, model as models, plan, plugins, run_dir as rundir, tracking
+from xtrain import checkpoint, config, data, hardware, model as models, plan, plugins, run_dir as rundir, tracking
 from xtrain.config import Precision, RunConfig
 from xtrain.files import replace_dir
 
@@ -48,15 +50,22 @@ class _DropTiedWeightsNote(logging.Filter):
 
 
 logging.getLogger("accelerate.utils.other").addFilter(_DropTiedWeightsNote())
+# DeepSpeed 0.19 calls these at every ZeRO step, and torch 2.13 warns each time
+warnings.filterwarnings(
+    "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
+)
 
 def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
     kwargs = plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg))
     # a collective that waits longer than this (a stuck or dead rank) raises instead of hanging
-    handlers = [*kwargs.pop("kwargs_handlers", []), InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.cluster.timeout_s))]
+    timeout = timedelta(seconds=cfg.cluster.timeout_s)
+    cpu_zero = hardware.zero_on_cpu(cfg)
+    process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
     return Accelerator(
-        # without cpu=True a CUDA-less multi-process launch silently trains N independent models
-        cpu=not torch.cuda.is_available(),
-        kwargs_handlers=handlers,
+        # Without cpu=True a CUDA-less multi-process launch silently trains N independent models;
+        # with it, Accelerate ignores a DeepSpeed plugin (ZeRO on CPU brings its own gloo group instead).
+        cpu=not torch.cuda.is_available() and not cpu_zero,
+        kwargs_handlers=[*kwargs.pop("kwargs_handlers", []), process_group],
         **kwargs,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.trainer.grad_accum, sync_with_dataloader=False
@@ -71,12 +80,31 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
     )
 
 
+def check_setup(cfg: RunConfig, distributed_type: DistributedType, num_processes: int) -> None:
+    """Accelerate falls back silently (FSDP to DDP, N processes to N lone ones): train only what was asked."""
+    strategy, world = cfg.strategy.name, cfg.cluster.world_size
+    if strategy is config.Strategy.fsdp:
+        wanted = {DistributedType.FSDP}
+    elif plugins.is_zero(cfg):
+        wanted = {DistributedType.DEEPSPEED}
+    elif world > 1:
+        wanted = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
+    else:
+        wanted = {DistributedType.NO}
+    if distributed_type not in wanted or num_processes != world:
+        raise RuntimeError(
+            f"strategy={strategy.value} on {world} process(es): Accelerate set up {distributed_type.value} on "
+            f"{num_processes}; stopping rather than training something else"
+        )
+
+
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not on biases, norms)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3 params are flat 1-d shards
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.trainer.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in params if id(p) in matrix], "weight_decay": cfg.trainer.weight_decay},
+        {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
 
@@ -135,7 +163,8 @@ def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
         corpus = data.load_corpus(cfg.data)
         tokenizer = data.tokenizer_for(corpus, cfg.model, cfg.data)
         train_set, val_set = data.pack(corpus, tokenizer, cfg.data)
-        model = models.build(cfg.model, tokenizer, cfg.data.block_size)
+    # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
+    model = models.build(cfg.model, tokenizer, cfg.data.block_size)
     model.train()
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
@@ -149,7 +178,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
         raise config.ConfigError(
             f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training blocks; use a smaller batch"
         )
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 leaves numel() 0
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
@@ -170,6 +199,7 @@ def train(run_dir: str | Path) -> dict:
 
     n_params_meta, facts = plan.model_facts(cfg)
     accelerator = build_accelerator(cfg, run_dir, facts)
+    check_setup(cfg, accelerator.distributed_type, accelerator.num_processes)
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
     assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg), "no autocast"
     set_seed(t.seed)

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import os
 import signal
 import sys
 import time
 import traceback
+from importlib.resources import files
 from pathlib import Path
+
+import yaml
 
 from xtrain.config import ConfigError
 
@@ -55,12 +59,10 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
 def main() -> None:
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
-        format="[%(asctime)s][%(name)s][%(levelname)s] %(message)s", datefmt="%H:%M:%S",
-    )
-    for name in ("accelerate", "datasets"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # the driver's (Hydra's) logging config, quieter on ranks other than 0
+    logging.config.dictConfig(yaml.safe_load((files("xtrain.conf") / "hydra/job_logging/xtrain.yaml").read_text()))
+    if rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _on_sigterm)
     timeout_s = None
     try:
