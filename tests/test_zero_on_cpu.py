@@ -16,6 +16,7 @@ import torch
 
 from conftest import read_metrics, read_result, run_xtrain
 from test_config import compose_run
+from test_errors import assert_one_line_error
 from xtrain import hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
@@ -99,11 +100,20 @@ def test_one_process_zero_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp)
     assert train_losses(run_dir) == pytest.approx(train_losses(ddp), rel=1e-4)
 
 
-def test_zero3_bf16_trains_with_deepspeeds_bf16(tmp_path):
-    run_dir = zero_run(tmp_path / "run", "zero3", "precision=bf16")
-    assert json.loads((run_dir / "deepspeed.json").read_text())["bf16"] == {"enabled": True}
+def test_zero2_optimizer_offload_follows_ddp(tmp_path, ddp):
+    """ZeRO-Offload with xtrain's torch AdamW stepping on the host copy (zero_force_ds_cpu_optimizer off)."""
+    run_dir = zero_run(tmp_path / "run", "zero2", "strategy.offload_optimizer=cpu")
+    assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert train_losses(run_dir) == pytest.approx(train_losses(ddp), rel=1e-4)
+
+
+def test_zero3_bf16_with_parameter_and_optimizer_offload(tmp_path, ddp):
+    run_dir = zero_run(tmp_path / "run", "zero3", "precision=bf16", "strategy.offload_optimizer=cpu",
+                       "strategy.offload_param=cpu")
+    ds = json.loads((run_dir / "deepspeed.json").read_text())
+    assert ds["bf16"] == {"enabled": True} and ds["zero_optimization"]["offload_param"]["device"] == "cpu"
     result = read_result(run_dir)
-    assert result["precision"] == "bf16" and result["val_loss"] < result["initial_val_loss"] - 0.5
+    assert result["precision"] == "bf16" and result["val_loss"] == pytest.approx(read_result(ddp)["val_loss"], rel=0.02)
 
 
 def test_zero_on_cpu_is_a_test_seam_only(monkeypatch):
@@ -113,3 +123,21 @@ def test_zero_on_cpu_is_a_test_seam_only(monkeypatch):
     assert hardware.refusal(compose_run("strategy=zero2")) is None
     assert "FSDP needs CUDA GPUs" in hardware.refusal(compose_run("strategy=fsdp"))
     assert "precision=fp16" in hardware.refusal(compose_run("strategy=zero2", "precision=fp16"))
+
+
+def test_nvme_offload_runs_or_is_refused_before_launch(tmp_path):
+    """ZeRO-Infinity needs DeepSpeed's async_io op: where it cannot be built, refuse before anything starts."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    run_dir = tmp_path / "run"
+    overrides = ["strategy.offload_optimizer=nvme", "strategy.offload_param=nvme", f"strategy.nvme_path={nvme}"]
+    if hardware.async_io_available():
+        zero_run(run_dir, "zero3", *overrides)
+        result = read_result(run_dir)
+        assert result["status"] == "completed" and result["val_loss"] < result["initial_val_loss"] - 0.5
+        assert any(nvme.rglob("*.swp")), "nothing was swapped to the NVMe path"
+    else:
+        proc = run_xtrain(f"run_dir={run_dir}", "strategy=zero3", *RUN, *overrides, check=False, env=ZERO_ON_CPU)
+        assert_one_line_error(proc, "strategy.offload_optimizer=nvme: DeepSpeed's async_io op cannot be built here",
+                              "apt-get install libaio-dev", "offload to cpu")
+        assert not run_dir.exists()

@@ -55,6 +55,25 @@ def zero_on_cpu(cfg: RunConfig) -> bool:
     )
 
 
+def name_deepspeed_accelerator() -> None:
+    """Without CUDA, name DeepSpeed's accelerator: else it warns each time something probes it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def async_io_available() -> bool:
+    """DeepSpeed's async_io op (NVMe offload): installed prebuilt, or buildable here (libaio headers)."""
+    name_deepspeed_accelerator()
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    return bool(installed_ops.get("async_io")) or get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(
+        verbose=False
+    )
+
+
 def refusal(cfg: RunConfig) -> str | None:
     """Why this machine cannot run the request, or None."""
     import torch

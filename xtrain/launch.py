@@ -41,8 +41,15 @@ def preflight(cfg: RunConfig) -> None:
             f"use cluster.num_processes<={gpus} (or auto)"
         )
     nvme = cfg.strategy.nvme_path
-    if Offload.nvme in (cfg.strategy.offload_optimizer, cfg.strategy.offload_param) and not os.path.isdir(nvme):
+    nvme_offloads = [f"strategy.{name}=nvme" for name in ("offload_optimizer", "offload_param")
+                     if getattr(cfg.strategy, name) is Offload.nvme]
+    if nvme_offloads and not os.path.isdir(nvme):
         raise ConfigError(f"strategy.nvme_path={nvme}: no such directory")
+    if nvme_offloads and not hardware.async_io_available():
+        raise ConfigError(
+            f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
+            "install them (apt-get install libaio-dev) or offload to cpu instead"
+        )
     data.check(cfg.data)
     if cfg.model.source is ModelSource.pretrained:
         model.pretrained_config(cfg.model)

@@ -194,8 +194,7 @@ def train(run_dir: str | Path) -> dict:
     t = cfg.trainer
     # from the driver's start when it launched this worker, else from this process's start
     process_start = float(os.environ.get("XTRAIN_LAUNCH_TIME") or psutil.Process().create_time())
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns when transformers probes it
+    hardware.name_deepspeed_accelerator()
 
     n_params_meta, facts = plan.model_facts(cfg)
     accelerator = build_accelerator(cfg, run_dir, facts)
