@@ -141,3 +141,10 @@ def test_nvme_offload_runs_or_is_refused_before_launch(tmp_path):
         assert_one_line_error(proc, "strategy.offload_optimizer=nvme: DeepSpeed's async_io op cannot be built here",
                               "apt-get install libaio-dev", "offload to cpu")
         assert not run_dir.exists()
+
+
+def test_zero3_fine_tunes_a_local_pretrained_model_from_its_weights(tmp_path, short_run):
+    """from_pretrained under zero.Init loads every shard: the first eval equals the source run's last."""
+    run_dir = zero_run(tmp_path / "run", "zero3", "model=hf", f"model.name_or_path={short_run / 'model'}",
+                       "trainer.max_steps=4", "trainer.eval_every=4", "trainer.save_every=4", "trainer.warmup_steps=1")
+    assert read_result(run_dir)["initial_val_loss"] == pytest.approx(read_result(short_run)["val_loss"], rel=1e-5)

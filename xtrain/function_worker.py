@@ -7,7 +7,6 @@ its exception back for the caller. Any failing rank leaves `logs/errors/rank<R>.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -15,13 +14,14 @@ import cloudpickle
 import torch
 
 from xtrain.decorator import PAYLOAD, RESULT
-from xtrain.worker import _on_sigterm, write_error
+from xtrain.worker import write_error
 
 
 def main() -> None:
     workdir = Path(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGTERM keeps its default action (end now): a rank blocked in a rendezvous or collective cannot
+    # run a Python handler, and torchrun would wait 30 s before killing it.
     func, kwargs = cloudpickle.loads((workdir / PAYLOAD).read_bytes())
     try:
         value = func(**kwargs)
