@@ -17,6 +17,11 @@ SHORT = ["trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4"
          "trainer.save_every=6"]
 
 
+# Two processes with gradient accumulation: the run every sharded strategy is compared with DDP on.
+SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accum=2", "trainer.max_steps=20",
+           "trainer.warmup_steps=4", "trainer.log_every=2", "trainer.eval_every=10", "trainer.save_every=10"]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_env(tmp_path_factory):
     """No hub access, no stray Accelerate/W&B settings, one tokenizer/data cache for the session."""
@@ -56,4 +61,16 @@ def short_run(tmp_path_factory) -> Path:
     """One short default-config run shared by the tests that only read its outputs."""
     run_dir = tmp_path_factory.mktemp("short") / "run"
     run_xtrain(f"run_dir={run_dir}", *SHORT)
+    return run_dir
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
+
+
+@pytest.fixture(scope="session")
+def ddp_two_processes(tmp_path_factory) -> Path:
+    """The DDP reference for the sharded strategies (`SHARDED`)."""
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    run_xtrain(f"run_dir={run_dir}", "strategy=ddp", *SHARDED)
     return run_dir

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import read_metrics, read_result, run_xtrain
+from conftest import SHARDED as RUN, read_metrics, read_result, run_xtrain, train_losses
 from test_config import compose_run
 from test_errors import assert_one_line_error
 from xtrain import hardware
@@ -22,15 +22,9 @@ from xtrain import hardware
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
 
 ZERO_ON_CPU = {hardware.ZERO_ON_CPU_ENV: "1"}
-# gradient accumulation included: DeepSpeed accumulates itself, in step with Accelerate's
-RUN = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accum=2", "trainer.max_steps=20", "trainer.warmup_steps=4",
-       "trainer.log_every=2", "trainer.eval_every=10", "trainer.save_every=10"]
+# RUN has gradient accumulation: DeepSpeed accumulates itself, in step with Accelerate's
 # zero.Init draws ZeRO-3's initial weights in another order (same distributions, other values)
 TOLERANCE = {"zero1": 1e-4, "zero2": 1e-4, "zero3": 1e-2}
-
-
-def train_losses(run_dir: Path) -> list[float]:
-    return [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 def zero_run(run_dir: Path, strategy: str, *overrides: str) -> Path:
@@ -39,10 +33,8 @@ def zero_run(run_dir: Path, strategy: str, *overrides: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ddp(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    run_xtrain(f"run_dir={run_dir}", "strategy=ddp", *RUN)
-    return run_dir
+def ddp(ddp_two_processes) -> Path:
+    return ddp_two_processes
 
 
 @pytest.fixture(scope="module", params=["zero1", "zero2", "zero3"])

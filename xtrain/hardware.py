@@ -14,6 +14,8 @@ from dataclasses import replace
 from xtrain.config import ConfigError, Fp8Backend, Precision, RunConfig, Strategy
 
 ZERO_ON_CPU_ENV = "XTRAIN_TEST_ZERO_ON_CPU"
+FSDP_ON_CPU_ENV = "XTRAIN_TEST_FSDP_ON_CPU"
+FP16_ON_CPU_ENV = "XTRAIN_TEST_FP16_ON_CPU"
 FP8_PACKAGES = {
     Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
     Fp8Backend.torchao: ("torchao", "pip install torchao"),
@@ -43,16 +45,29 @@ def local_gpu_gb() -> float | None:
     return torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
+def _test_seam(env: str) -> bool:
+    """A test-only switch, honoured only where there is no CUDA GPU (on a GPU the real path runs)."""
+    import torch
+
+    return os.environ.get(env) == "1" and not torch.cuda.is_available()
+
+
 def zero_on_cpu(cfg: RunConfig) -> bool:
     """Test seam: ZeRO through DeepSpeed's own CPU accelerator (gloo), so CI runs the DeepSpeed paths
     without a GPU. Not a user option: Accelerate does not support it, and DeepSpeed on CPU is slow."""
-    import torch
+    return cfg.strategy.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3) and _test_seam(ZERO_ON_CPU_ENV)
 
-    return (
-        cfg.strategy.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3)
-        and not torch.cuda.is_available()
-        and os.environ.get(ZERO_ON_CPU_ENV) == "1"
-    )
+
+def fsdp_on_cpu(cfg: RunConfig) -> bool:
+    """Test seam: FSDP over gloo on CPU, so CI runs the FSDP paths without a GPU. Not a user option:
+    Accelerate takes its FSDP branch only for accelerator process groups (the trainer fakes one)."""
+    return cfg.strategy.name is Strategy.fsdp and _test_seam(FSDP_ON_CPU_ENV)
+
+
+def fp16_on_cpu(cfg: RunConfig) -> bool:
+    """Test seam: fp16 autocast with a loss scaler on CPU (DDP), so CI runs the scaled-loss path and its
+    skipped steps. Not a user option: Accelerate runs fp16 only on accelerators (on CPU it trains fp32)."""
+    return cfg.precision.name is Precision.fp16 and cfg.strategy.name is Strategy.ddp and _test_seam(FP16_ON_CPU_ENV)
 
 
 def name_deepspeed_accelerator() -> None:
@@ -80,14 +95,14 @@ def refusal(cfg: RunConfig) -> str | None:
 
     cuda = torch.cuda.is_available()
     strategy, precision = cfg.strategy.name, cfg.precision.name
-    if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg):
+    if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg) and not fsdp_on_cpu(cfg):
         kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"
         return (
             f"strategy={strategy.value}: {kind} needs CUDA GPUs and this machine has none (Accelerate would "
             f"{'silently train plain DDP' if strategy is Strategy.fsdp else 'fail inside DeepSpeed'}); "
             "use strategy=ddp here, or run on GPU machines (dry_run=true shows the plan anywhere)"
         )
-    if precision is Precision.fp16 and not cuda:
+    if precision is Precision.fp16 and not cuda and not fp16_on_cpu(cfg):
         return (
             "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
             "use precision=bf16 (autocast, fast on CPUs with bf16 units) or precision=fp32"

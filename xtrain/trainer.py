@@ -15,14 +15,14 @@ import shutil
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     DistributedType,
@@ -42,14 +42,21 @@ from xtrain.files import replace_dir
 log = logging.getLogger("xtrain")
 
 
-class _DropTiedWeightsNote(logging.Filter):
-    """Accelerate warns at every save that tied embeddings are stored once: expected here."""
+class _DropNote(logging.Filter):
+    """A library's note that is expected here and that a user cannot act on."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Removed shared tensor" not in record.getMessage()
+        return self.text not in record.getMessage()
 
 
-logging.getLogger("accelerate.utils.other").addFilter(_DropTiedWeightsNote())
+# at every save: tied embeddings are stored once
+logging.getLogger("accelerate.utils.other").addFilter(_DropNote("Removed shared tensor"))
+# when EOS (= pad id) starts or ends a block: xtrain packs documents into full blocks, nothing is padded
+logging.getLogger("transformers.modeling_utils").addFilter(_DropNote("We strongly recommend passing in an `attention_mask`"))
 # DeepSpeed 0.19 calls these at every ZeRO step, and torch 2.13 warns each time
 warnings.filterwarnings(
     "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
@@ -61,7 +68,9 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
     cpu_zero = hardware.zero_on_cpu(cfg)
     process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
-    return Accelerator(
+    if hardware.fsdp_on_cpu(cfg):
+        _present_cpu_as_accelerator(kwargs["fsdp_plugin"], timeout)
+    accelerator = Accelerator(
         # Without cpu=True a CUDA-less multi-process launch silently trains N independent models;
         # with it, Accelerate ignores a DeepSpeed plugin (ZeRO on CPU brings its own gloo group instead).
         cpu=not torch.cuda.is_available() and not cpu_zero,
@@ -78,6 +87,24 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
             project_dir=str(run_dir), logging_dir=str(run_dir / tracking.TENSORBOARD_DIR)
         ),
     )
+    if hardware.fp16_on_cpu(cfg):
+        # Test seam (`XTRAIN_TEST_FP16_ON_CPU`): what Accelerate sets up for fp16 on a GPU, on the CPU. The
+        # scale starts high enough that the first steps overflow for real, so the skip path runs.
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    return accelerator
+
+
+def _present_cpu_as_accelerator(fsdp_plugin, timeout: timedelta) -> None:
+    """Test seam (`XTRAIN_TEST_FSDP_ON_CPU`): the gloo group a CPU run gets, presented as an accelerator
+    group, since only then does Accelerate take its FSDP branch. FSDP2 runs over gloo as it is; the
+    one other difference from a GPU run is unpinned host memory for cpu_offload (pinning needs a GPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    PartialState(cpu=True, timeout=timeout, backend="gloo")
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy):  # strategy.cpu_offload=true (else OffloadPolicy())
+        fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
 def check_setup(cfg: RunConfig, distributed_type: DistributedType, num_processes: int) -> None:
@@ -142,6 +169,28 @@ def evaluate(accelerator: Accelerator, model, loader) -> float:
     return torch.cat(losses).mean().item()
 
 
+def fsdp_units(model: torch.nn.Module) -> dict[str, int]:
+    """What FSDP sharded as units, by the class of the wrapped module; `activation_checkpointed`: layers
+    recomputed in backward. Recorded in result.json: the wrap policy as it was applied, not as it was asked."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    units: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, FullyShardedDataParallel):  # FSDP1 wraps; FSDP2 changes the class in place
+            module = module.module
+        elif not isinstance(module, FSDPModule):
+            continue
+        if isinstance(module, CheckpointWrapper):
+            if isinstance(module._checkpoint_wrapped_module, FSDPModule):
+                continue  # Accelerate shards both the wrapper and the layer inside: one unit, counted once
+            module = module._checkpoint_wrapped_module
+        name = next(c.__name__ for c in type(module).__mro__ if not issubclass(c, (FSDPModule, CheckpointWrapper)))
+        units[name] = units.get(name, 0) + 1
+    checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
+    return {**units, "activation_checkpointed": checkpointed} if checkpointed else units
+
+
 @dataclass
 class Components:
     """Everything the loop needs, already passed through `accelerator.prepare`."""
@@ -188,6 +237,46 @@ def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
     )
 
 
+def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path) -> tuple[int, int, int]:
+    """Load the checkpoint, if any, and cut metrics.jsonl back to it: (step, tokens seen, skipped steps)."""
+    counters = (0, 0, 0)
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = checkpoint.read_state(resume_from)
+        counters = (state["step"], state["tokens_seen"], state.get("skipped_steps", 0))
+    if accelerator.is_main_process:
+        if counters[0]:
+            rundir.keep_metrics_until(run_dir, counters[0])
+        else:
+            (run_dir / rundir.METRICS).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+    return counters
+
+
+def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume_from: Path | None,
+                 start_step: int, n_params_meta: int) -> dict:
+    """result.json as the loop starts (status `running`), and the run's header line."""
+    t, world = cfg.trainer, accelerator.num_processes
+    log.info(
+        "model %.2fM params | %d train / %d val blocks of %d tokens | world %d | %s | effective batch %d sequences",
+        c.n_params / 1e6, c.n_train, c.n_val, cfg.data.block_size, world,
+        accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
+    )
+    if resume_from is not None:
+        log.info("resumed from %s at step %d", resume_from, start_step)
+    result = {
+        "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
+        "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
+        "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
+    }
+    if accelerator.distributed_type is DistributedType.FSDP:
+        result["fsdp_units"] = fsdp_units(c.model)
+    if world > 1:
+        result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return result
+
+
 def train(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
@@ -206,54 +295,26 @@ def train(run_dir: str | Path) -> dict:
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator)
-    model, optimizer, scheduler = c.model, c.optimizer, c.scheduler
+    model, scheduler = c.model, c.scheduler
 
-    start_step, tokens_seen = 0, 0
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        state = checkpoint.read_state(resume_from)
-        start_step, tokens_seen = state["step"], state["tokens_seen"]
-    if accelerator.is_main_process:
-        if start_step:
-            rundir.keep_metrics_until(run_dir, start_step)
-        else:
-            (run_dir / rundir.METRICS).unlink(missing_ok=True)
-    accelerator.wait_for_everyone()
-
+    start_step, tokens_seen, skipped = restore(accelerator, resume_from, run_dir)
     accelerator.init_trackers(
         cfg.tracker.project, config=_flat(config.to_container(cfg)), init_kwargs=tracking.init_kwargs(cfg, run_dir)
     )
     world = accelerator.num_processes
     tokens_per_step = t.batch_size * t.grad_accum * cfg.data.block_size * world
-    log.info(
-        "model %.2fM params | %d train / %d val blocks of %d tokens | world %d | %s | effective batch %d sequences",
-        c.n_params / 1e6, c.n_train, c.n_val, cfg.data.block_size, world,
-        accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
-    )
-    if resume_from is not None:
-        log.info("resumed from %s at step %d", resume_from, start_step)
-
-    result = {
-        "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
-        "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
-        "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
-        "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
-    }
-    if world > 1:
-        result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
     if accelerator.is_main_process:
         rundir.write_result(run_dir, result)
 
     train_start = time.time()
     if start_step == 0:
-        initial_val = evaluate(accelerator, model, c.val_loader)
-        result["initial_val_loss"] = initial_val
-        accelerator.log({"val/loss": initial_val, "val/ppl": math.exp(initial_val)}, step=0)
-        log.info("step 0 | val loss %.4f | val ppl %.1f", initial_val, math.exp(initial_val))
+        result["initial_val_loss"] = run_eval(accelerator, model, c.val_loader, 0)
 
-    batches = micro_batches(accelerator, c.train_loader, start_step * t.grad_accum)
-    loss_sum = torch.zeros((), device=accelerator.device)
-    loss_count, window_start, window_steps = 0, time.perf_counter(), 0
+    batches = _recording_first_batch(
+        micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
+    )
+    window = Window(torch.zeros((), device=accelerator.device))
     progress = tqdm(
         total=t.max_steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True,
         disable=not (accelerator.is_main_process and sys.stderr.isatty()),  # log files get the log lines only
@@ -261,59 +322,27 @@ def train(run_dir: str | Path) -> dict:
     try:
         with logging_redirect_tqdm():
             for step in range(start_step + 1, t.max_steps + 1):
-                for _ in range(t.grad_accum):
-                    batch = next(batches)
-                    if "first_batch_token_sums" not in result:  # which data each rank got: shards must differ
-                        sums = accelerator.gather(batch["input_ids"].sum().reshape(1))
-                        result["first_batch_token_sums"] = sums.tolist()
-                    with accelerator.accumulate(model):
-                        loss = model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients and t.max_grad_norm > 0:
-                            accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                    loss_sum += loss.detach()
-                    loss_count += 1
-                if not accelerator.optimizer_step_was_skipped:
-                    scheduler.step()
+                window.loss_sum += optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+                if accelerator.optimizer_step_was_skipped:
+                    skipped += 1
+                window.micro_batches += t.grad_accum
+                window.tokens += tokens_per_step
                 tokens_seen += tokens_per_step
-                window_steps += 1
                 progress.update(1)
                 if "time_to_first_step_s" not in result:
                     result["time_to_first_step_s"] = round(time.time() - process_start, 3)
 
                 if step % t.log_every == 0 or step == t.max_steps:
-                    train_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count
-                    elapsed = time.perf_counter() - window_start
-                    metrics = {
-                        "train/loss": train_loss,
-                        "train/lr": scheduler.get_last_lr()[0],
-                        "train/tokens_per_s": window_steps * tokens_per_step / elapsed,
-                        "train/tokens_seen": tokens_seen,
-                    }
-                    accelerator.log(metrics, step=step)
-                    progress.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
-                    log.info(
-                        "step %d | loss %.4f | lr %.2e | %.0f tokens/s",
-                        step, train_loss, metrics["train/lr"], metrics["train/tokens_per_s"],
-                    )
-                    result["train_loss"] = train_loss
-                    loss_sum.zero_()
-                    loss_count, window_start, window_steps = 0, time.perf_counter(), 0
-
+                    result["train_loss"] = log_train(accelerator, window, step, scheduler, tokens_seen, skipped)
+                    progress.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
+                    window = Window(window.loss_sum.zero_())
                 if step % t.eval_every == 0 or step == t.max_steps:
-                    val_loss = evaluate(accelerator, model, c.val_loader)
-                    accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
-                    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
-                    result["val_loss"], result["val_ppl"] = val_loss, math.exp(val_loss)
-
+                    result["val_loss"] = run_eval(accelerator, model, c.val_loader, step)
+                    result["val_ppl"] = math.exp(result["val_loss"])
                 if step % t.save_every == 0 or step == t.max_steps:
-                    checkpoint.save(
-                        accelerator, run_dir, step,
-                        {"tokens_seen": tokens_seen, **checkpoint.identity(cfg)}, t.keep_checkpoints,
-                    )
-                result["steps"] = step
+                    state = {"tokens_seen": tokens_seen, "skipped_steps": skipped, **checkpoint.identity(cfg)}
+                    checkpoint.save(accelerator, run_dir, step, state, t.keep_checkpoints)
+                result["steps"], result["skipped_steps"] = step, skipped
         wall = time.time() - train_start
         save_model(accelerator, model, c.tokenizer, run_dir)
     except BaseException as err:
@@ -341,6 +370,66 @@ def train(run_dir: str | Path) -> dict:
             t.max_steps, result["val_loss"], result["val_ppl"], result["tokens_per_s"], run_dir,
         )
     return result
+
+
+def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
+    """One optimizer step over `grad_accum` micro-batches; returns their summed loss. The schedule counts
+    optimizer steps taken: a step the loss scaler skipped (fp16 overflow) does not advance it."""
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for _ in range(grad_accum):
+        batch = next(batches)
+        with accelerator.accumulate(c.model):
+            loss = c.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and max_grad_norm > 0:
+                accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
+            c.optimizer.step()
+            c.optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach()
+    if not accelerator.optimizer_step_was_skipped:
+        c.scheduler.step()
+    return loss_sum
+
+
+@dataclass
+class Window:
+    """Train loss and throughput since the last log line."""
+
+    loss_sum: torch.Tensor
+    micro_batches: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, tokens_seen: int, skipped: int) -> float:
+    """Log the window's mean train loss (over every rank), lr and throughput; returns the loss."""
+    train_loss = accelerator.reduce(window.loss_sum, "mean").item() / window.micro_batches
+    metrics = {
+        "train/loss": train_loss,
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/tokens_per_s": window.tokens / (time.perf_counter() - window.start),
+        "train/tokens_seen": tokens_seen,
+        "train/skipped_steps": skipped,  # optimizer steps the fp16 loss scaler skipped (overflow), so far
+    }
+    accelerator.log(metrics, step=step)
+    log.info("step %d | loss %.4f | lr %.2e | %.0f tokens/s", step, train_loss, metrics["train/lr"],
+             metrics["train/tokens_per_s"])
+    return train_loss
+
+
+def run_eval(accelerator: Accelerator, model, loader, step: int) -> float:
+    val_loss = evaluate(accelerator, model, loader)
+    accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
+    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
+    return val_loss
+
+
+def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
+    """Record which data each rank got first (its token sum): the shards must differ."""
+    batch = next(batches)
+    result["first_batch_token_sums"] = accelerator.gather(batch["input_ids"].sum().reshape(1)).tolist()
+    yield batch
+    yield from batches
 
 
 def save_model(accelerator: Accelerator, model, tokenizer, run_dir: Path) -> None:

@@ -1,0 +1,181 @@
+"""FSDP through the real trainer, without a GPU: FSDP2 over gloo on 2 CPU processes.
+
+Users are refused FSDP without CUDA (Accelerate would silently train DDP); the test seam
+`XTRAIN_TEST_FSDP_ON_CPU=1` presents the CPU process group to Accelerate as an accelerator
+group, so the FSDP paths (wrapping, mixed precision, sharded and full checkpoints, resume,
+the gathered final model) run in CI. Only the device, the backend and pinned memory for
+cpu_offload differ from a GPU run.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SHARDED, read_metrics, read_result, run_xtrain, train_losses
+from test_config import compose_run
+from test_errors import assert_one_line_error
+from xtrain import hardware
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers FSDP")
+
+FSDP_ON_CPU = {hardware.FSDP_ON_CPU_ENV: "1"}
+FINAL = Path("checkpoints") / "step_00000020"
+
+
+def fsdp_run(run_dir: Path, *overrides: str) -> Path:
+    run_xtrain(f"run_dir={run_dir}", "strategy=fsdp", *SHARDED, *overrides, env=FSDP_ON_CPU)
+    return run_dir
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return fsdp_run(tmp_path_factory.mktemp("fsdp") / "run")
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> Path:
+    return fsdp_run(tmp_path_factory.mktemp("fsdp_full") / "run", "strategy.state_dict_type=full")
+
+
+def test_fsdp2_follows_ddp(sharded, ddp_two_processes):
+    """Same seed, fp32, gradient accumulation: FSDP2's curve is DDP's (measured: 3e-7 relative)."""
+    result = read_result(sharded)
+    assert result["status"] == "completed" and result["world_size"] == 2
+    assert result["model_parameters"] == read_result(ddp_two_processes)["model_parameters"]  # not a local shard
+    assert result["fsdp_units"]["GPT2Block"] == 4  # the wrap layer from GPT-2's _no_split_modules
+    assert train_losses(sharded) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
+
+
+def test_fsdp2_bf16_follows_ddp_bf16(tmp_path):
+    """FSDP's mixed-precision policy (bf16 compute) against DDP's bf16 autocast: measured 7e-4 apart."""
+    ddp = tmp_path / "ddp"
+    run_xtrain(f"run_dir={ddp}", "strategy=ddp", "precision=bf16", *SHARDED)
+    fsdp = fsdp_run(tmp_path / "fsdp", "precision=bf16")
+    result = read_result(fsdp)
+    assert result["precision"] == "bf16" and result["autocast"] is True
+    assert result["val_loss"] < result["initial_val_loss"] - 0.5
+    assert train_losses(fsdp) == pytest.approx(train_losses(ddp), rel=3e-3)
+
+
+def test_llama_wraps_its_decoder_layer(tmp_path):
+    result = read_result(fsdp_run(tmp_path / "run", "model=tiny_llama"))
+    assert result["fsdp_units"]["LlamaDecoderLayer"] == 4 and "GPT2Block" not in result["fsdp_units"]
+    assert result["val_loss"] < result["initial_val_loss"] - 0.5
+
+
+def test_a_wrong_wrap_layer_is_one_line_before_anything_starts(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", "strategy=fsdp", "strategy.wrap_layer=LlamaDecoderLayer", *SHARDED,
+                      check=False, env=FSDP_ON_CPU)
+    assert_one_line_error(proc, "strategy.wrap_layer=LlamaDecoderLayer: no such layer in GPT2LMHeadModel",
+                          "choose one of", "GPT2Block")
+    assert not run_dir.exists()
+
+
+def test_sharded_checkpoints_hold_one_shard_per_rank_and_full_ones_a_gathered_state(sharded, full):
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        assert sorted(p.name for p in (sharded / FINAL / part).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (sharded / FINAL / "pytorch_model_fsdp.bin").exists()
+    # full: one gathered file, every tensor at its full shape: the final model's weights
+    gathered = torch.load(full / FINAL / "pytorch_model_fsdp.bin", weights_only=True)
+    final = weights(full)
+    assert final.keys() <= gathered.keys()
+    for name, tensor in final.items():
+        assert torch.equal(gathered[name], tensor), name
+    assert (full / FINAL / "optimizer.bin").is_file() and not (full / FINAL / "pytorch_model_fsdp_0").exists()
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_resume_from_step_10_repeats_the_unbroken_run_exactly(request, tmp_path, kind):
+    unbroken = request.getfixturevalue(kind)
+    checkpoint = unbroken / "checkpoints" / "step_00000010"
+    resumed = fsdp_run(tmp_path / "run", f"strategy.state_dict_type={kind}", f"resume={checkpoint}")
+    assert read_result(resumed)["resumed_from"] == str(checkpoint)
+
+    def after_10(run_dir):
+        return [(r["step"], r.get("train/loss"), r.get("train/lr"), r.get("val/loss"))
+                for r in read_metrics(run_dir) if r["step"] > 10]
+
+    assert after_10(resumed) == after_10(unbroken)
+    final, expected = weights(resumed), weights(unbroken)
+    assert final.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name
+
+
+def test_model_dir_is_what_accelerate_merges_from_the_last_sharded_checkpoint(tmp_path, sharded):
+    from transformers import AutoModelForCausalLM
+
+    merged = tmp_path / "merged"
+    accelerate = Path(sys.executable).parent / "accelerate"
+    subprocess.run([str(accelerate), "merge-weights", str(sharded / FINAL / "pytorch_model_fsdp_0"), str(merged)],
+                   check=True, capture_output=True, timeout=300)
+    from safetensors.torch import load_file
+
+    consolidated, final = load_file(merged / "model.safetensors"), weights(sharded)
+    assert consolidated.keys() == final.keys()
+    for name, tensor in final.items():
+        assert torch.equal(consolidated[name], tensor), name
+    model = AutoModelForCausalLM.from_pretrained(sharded / "model")
+    assert model.num_parameters() == read_result(sharded)["model_parameters"]
+
+
+def test_activation_checkpointing_recomputes_the_same_losses(tmp_path, sharded):
+    run_dir = fsdp_run(tmp_path / "run", "strategy.activation_checkpointing=true")
+    assert read_result(run_dir)["fsdp_units"]["activation_checkpointed"] == 4
+    assert "activation_checkpointed" not in read_result(sharded)["fsdp_units"]
+    assert train_losses(run_dir) == pytest.approx(train_losses(sharded), rel=1e-6)  # measured: identical
+
+
+def test_cpu_offload_trains_and_follows_ddp(tmp_path, ddp_two_processes):
+    run_dir = fsdp_run(tmp_path / "run", "strategy.cpu_offload=true")
+    assert read_result(run_dir)["status"] == "completed"
+    assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
+
+
+def test_cpu_ram_efficient_loading_fine_tunes_from_the_pretrained_weights(tmp_path, sharded):
+    """Rank 0 loads the local pretrained model, the other rank receives it: the first eval is the source's last."""
+    run_dir = fsdp_run(tmp_path / "run", "model=hf", f"model.name_or_path={sharded / 'model'}",
+                       "strategy.cpu_ram_efficient_loading=true", "trainer.max_steps=4", "trainer.eval_every=4",
+                       "trainer.save_every=4", "trainer.warmup_steps=1")
+    result = read_result(run_dir)
+    assert result["fsdp_units"]["GPT2Block"] == 4  # detected from the loaded model's _no_split_modules
+    assert result["initial_val_loss"] == pytest.approx(read_result(sharded)["val_loss"], rel=1e-5)
+
+
+def test_one_process_fsdp_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp_two_processes):
+    """In-process Accelerate would drop FSDP; under torchrun, check_setup sees FSDP on one process."""
+    run_dir = fsdp_run(tmp_path / "run", "cluster.num_processes=1", "trainer.batch_size=8")
+    result = read_result(run_dir)
+    assert result["world_size"] == 1 and result["fsdp_units"]["GPT2Block"] == 4
+    assert (run_dir / "logs" / "launcher-node0.log").exists()
+    assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
+
+
+def test_fsdp1_cannot_run_on_a_cpu(tmp_path):
+    """torch's FSDP1 computes on an accelerator only: the README states this error. (With the default
+    cpu_ram_efficient_loading=true Accelerate's plugin fails earlier: no device for sync_module_states.)"""
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "strategy=fsdp", "strategy.fsdp_version=1",
+                      "strategy.cpu_ram_efficient_loading=false", *SHARDED, check=False, env=FSDP_ON_CPU)
+    assert proc.returncode == 1
+    assert "rank 0 failed: ValueError: Inconsistent compute device and `device_id` on rank 0: cpu vs cpu:0" in proc.stderr
+
+
+def test_fsdp_on_cpu_is_a_test_seam_only(monkeypatch):
+    monkeypatch.delenv(hardware.FSDP_ON_CPU_ENV, raising=False)
+    assert "FSDP needs CUDA GPUs" in hardware.refusal(compose_run("strategy=fsdp"))
+    monkeypatch.setenv(hardware.FSDP_ON_CPU_ENV, "1")
+    assert hardware.refusal(compose_run("strategy=fsdp")) is None
+    assert "DeepSpeed ZeRO needs CUDA GPUs" in hardware.refusal(compose_run("strategy=zero2"))
+    assert "precision=fp16" in hardware.refusal(compose_run("strategy=fsdp", "precision=fp16"))
