@@ -61,6 +61,22 @@ def test_two_processes_follow_one_process_with_twice_the_batch(tmp_path, one_pro
     assert "1 CPU threads each" in proc.stdout  # 2 cores split between 2 workers
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="what a CPU run exports")
+def test_exported_accelerate_config_is_the_cpu_run_it_came_from(ddp_two_processes):
+    """Accelerate's own `accelerate test` on the run's file: a CPU run, never ranks that each train alone.
+    (Plain `accelerate launch` starts several CPU processes only through mpirun; without it, one.)"""
+    import yaml
+
+    config_file = ddp_two_processes / "accelerate_config.yaml"
+    exported = yaml.safe_load(config_file.read_text())
+    assert (exported["distributed_type"], exported["use_cpu"], exported["num_processes"]) == ("MULTI_CPU", True, 2)
+    proc = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "test", "--config_file", str(config_file)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Test is a success" in proc.stdout, proc.stdout + proc.stderr
+    states = [line for line in proc.stdout.splitlines() if "Distributed environment:" in line]
+    assert len(states) == 1 and "Device: cpu" in proc.stdout  # one CPU process, not two lone ones
+
+
 def test_two_nodes_on_one_machine(tmp_path, started, one_process_batch_16):
     """cluster.nodes=2: node 0 writes the run dir, node 1 joins the rendezvous at main_process_ip:port."""
     import socket

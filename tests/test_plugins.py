@@ -183,8 +183,20 @@ def test_ddp_export_has_no_plugin(tmp_path):
     cfg = compose_run("precision=bf16", "cluster.num_processes=2")
     exported = yaml.safe_load(open(export(cfg, tmp_path)))
     assert exported["distributed_type"] == "MULTI_GPU" and exported["mixed_precision"] == "bf16"
+    assert exported["use_cpu"] is False
     assert exported["num_processes"] == 2 and "fsdp_config" not in exported and "deepspeed_config" not in exported
     assert set(plugins.accelerator_kwargs(cfg, FACTS)) == {"mixed_precision"}
+
+
+@pytest.mark.parametrize("processes,distributed_type", [(1, "NO"), (2, "MULTI_CPU")])
+def test_ddp_export_without_cuda_is_a_cpu_run(processes, distributed_type):
+    """MULTI_GPU without CUDA would start ranks that each train alone (DistributedType.NO)."""
+    cfg = compose_run(f"cluster.num_processes={processes}")
+    exported = plugins.accelerate_config(cfg, FACTS, None, cuda=False)
+    assert exported["distributed_type"] == distributed_type and exported["use_cpu"] is True
+    # the test seams' FSDP and ZeRO runs stay what they are (use_cpu would make Accelerate drop them)
+    fsdp = plugins.accelerate_config(compose_run("strategy=fsdp", "cluster.num_processes=2"), FACTS, None, cuda=False)
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["use_cpu"] is False
 
 
 def test_user_deepspeed_json_is_merged_and_conflicts_are_errors(tmp_path):

@@ -25,8 +25,8 @@ ACCELERATE_CONFIG = "accelerate_config.yaml"
 DEEPSPEED_CONFIG = "deepspeed.json"
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Checks of the machine and the world outside the config (files, models, checkpoints)."""
+def preflight(cfg: RunConfig) -> plugins.ModelFacts:
+    """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts."""
     hardware.check(cfg)
     c = cfg.cluster
     if c.nodes > 1 and c.main_process_port is None:
@@ -53,6 +53,7 @@ def preflight(cfg: RunConfig) -> None:
     data.check(cfg.data)
     if cfg.model.source is ModelSource.pretrained:
         model.pretrained_config(cfg.model)
+    _, facts = plan.model_facts(cfg)  # checks strategy.wrap_layer against the model
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:
         done = checkpoint.read_state(resume_from)["step"]
@@ -61,17 +62,18 @@ def preflight(cfg: RunConfig) -> None:
                 f"resume={cfg.resume}: {resume_from} has already trained {done} steps; "
                 f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps"
             )
+    return facts
 
 
-def export_accelerate_files(cfg: RunConfig, path: Path) -> None:
+def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Path) -> None:
     """The same run for plain `accelerate launch --config_file <run dir>/accelerate_config.yaml`."""
-    _, facts = plan.model_facts(cfg)
     ds_path = None
     if plugins.is_zero(cfg):
         ds_path = path / DEEPSPEED_CONFIG
         ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
         write_atomic(ds_path, json.dumps(ds, indent=2) + "\n")
-    write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(plugins.accelerate_config(cfg, facts, str(ds_path))))
+    exported = plugins.accelerate_config(cfg, facts, str(ds_path), cuda=hardware.visible_gpus() > 0)
+    write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(exported))
 
 
 def wait_for_run_dir(cfg: RunConfig, since: float) -> Path:
@@ -95,12 +97,12 @@ def launch(cfg: RunConfig) -> dict:
         the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
         print(plan.render(the_plan))
         return {"dry_run": True, "fits": the_plan.fits}
-    preflight(cfg)
+    facts = preflight(cfg)
     if cfg.cluster.node_rank > 0:
         path = wait_for_run_dir(cfg, started)
     else:
         path = run_dir.prepare(cfg)
-        export_accelerate_files(cfg, path)
+        export_accelerate_files(cfg, facts, path)
     log.info("run dir: %s", path)
     # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
     # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.

@@ -259,9 +259,13 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
     return kwargs
 
 
-def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | None) -> dict:
-    """The same run as a config file for `accelerate launch --config_file`."""
+def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | None, cuda: bool = True) -> dict:
+    """The same run as a config file for `accelerate launch --config_file` (`cuda`: the machine has CUDA GPUs).
+
+    Without CUDA a DDP run is MULTI_CPU (gloo): `accelerate launch` starts several CPU processes only through
+    mpirun (`--mpirun_hostfile`), else one. Never MULTI_GPU there: its workers would each train alone."""
     c = cfg.cluster
+    cpu = not cuda and cfg.strategy.name is Strategy.ddp
     out: dict = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
@@ -274,7 +278,7 @@ def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | N
         "tpu_env": [],
         "tpu_use_cluster": False,
         "tpu_use_sudo": False,
-        "use_cpu": False,
+        "use_cpu": cpu,
     }
     if is_zero(cfg):
         out["distributed_type"] = "DEEPSPEED"
@@ -302,7 +306,7 @@ def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | N
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = facts.wrap_layer
         out["fsdp_config"] = fsdp
     else:
-        out["distributed_type"] = "MULTI_GPU" if c.world_size > 1 else "NO"
+        out["distributed_type"] = ("MULTI_CPU" if cpu else "MULTI_GPU") if c.world_size > 1 else "NO"
         out["mixed_precision"] = MIXED_PRECISION[cfg.precision.name]
     if cfg.precision.name is Precision.fp8:
         out["fp8_config"] = {"backend": cfg.precision.fp8_backend.value.upper()}
