@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,9 +14,13 @@ from conftest import SHORT, read_metrics, read_result, run_xtrain
 
 @pytest.mark.slow
 def test_default_job_learns(tmp_path):
-    """`python -m xtrain` exactly as shipped (only the run dir pinned): val loss falls well below its start."""
+    """`python -m xtrain` exactly as shipped (only the run dir and a fresh cache pinned): val loss falls well below
+    its start."""
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}")
+    proc = run_xtrain(f"run_dir={run_dir}", env={"XTRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    # a cold cache included (tokenizer training, tokenization): the output is xtrain's own log lines only
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert lines and [line for line in lines if not re.match(r"\[\d\d:\d\d:\d\d\]\[xtrain\]\[INFO\] ", line)] == []
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["steps"] == 300
     assert result["initial_val_loss"] > 7.0  # ~ln(2048): an untrained model

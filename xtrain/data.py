@@ -14,10 +14,13 @@ import json
 import os
 import shutil
 import tempfile
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from xtrain.config import ConfigError, DataConfig, DataSource, ModelConfig, ModelSource, cache_dir
+
+log = logging.getLogger("xtrain")
 
 EOS = "<|endoftext|>"
 VAL_SPLIT_SEED = 1234  # the split is a property of the data, not of trainer.seed
@@ -194,10 +197,13 @@ def pack(corpus: Corpus, tokenizer, data: DataConfig):
 
     def write(path: Path) -> None:
         eos = tokenizer.eos_token_id
+        log.info("tokenizing %d documents into blocks of %d tokens (cached for later runs)", len(corpus.texts), block)
+        datasets.disable_progress_bars()
 
         def to_blocks(batch):
             ids: list[int] = []
-            for seq in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
+            # whole documents, longer than a block by design: no "sequence length is longer" warning
+            for seq in tokenizer(batch["text"], add_special_tokens=False, verbose=False)["input_ids"]:
                 ids.extend(seq)
                 ids.append(eos)
             usable = len(ids) // block * block

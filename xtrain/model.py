@@ -59,10 +59,14 @@ def build(model: ModelConfig, tokenizer, block_size: int):
                 f"use data.block_size<={max_positions}"
             )
         try:
-            return AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32")
+            built = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32")
         except (OSError, ValueError) as err:
             raise _cannot_load(model, err) from None
-    return AutoModelForCausalLM.from_config(hf_config)
+    else:
+        built = AutoModelForCausalLM.from_config(hf_config)
+    if getattr(built, "loss_type", None) is None:  # the default transformers picks anyway, after a warning that it had to
+        built.loss_type = "ForCausalLM"
+    return built
 
 
 def identity(model: ModelConfig) -> dict:
