@@ -17,6 +17,18 @@ class ConfigError(ValueError):
     """A user error in the run config: printed as one line, exit code 2."""
 
 
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite: printed as one line (no traceback helps), exit code 1."""
+
+
+class SweepFailed(Exception):
+    """Points of a sweep failed (one line each; the others are recorded), or the sweep was interrupted."""
+
+    def __init__(self, lines: list[str], exit_code: int):
+        super().__init__("\n".join(lines))
+        self.exit_code = exit_code
+
+
 def _positive(name: str, value: float) -> None:
     if value <= 0:
         raise ConfigError(f"{name}={value}: must be > 0")

@@ -91,18 +91,28 @@ def wait_for_run_dir(cfg: RunConfig, since: float) -> Path:
 
 
 def launch(cfg: RunConfig) -> dict:
+    """The CLI's single run: check, write the run dir, train."""
     started = time.time()
     cfg = hardware.resolve_processes(cfg)
     if cfg.dry_run:
         the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
         print(plan.render(the_plan))
         return {"dry_run": True, "fits": the_plan.fits}
+    return run(cfg, prepare(cfg, started))
+
+
+def prepare(cfg: RunConfig, started: float | None = None) -> Path:
+    """Preflight, then the run dir with run.yaml (node 0), or node 0's run dir once written (other nodes)."""
     facts = preflight(cfg)
     if cfg.cluster.node_rank > 0:
-        path = wait_for_run_dir(cfg, started)
-    else:
-        path = run_dir.prepare(cfg)
-        export_accelerate_files(cfg, facts, path)
+        return wait_for_run_dir(cfg, started or time.time())
+    path = run_dir.prepare(cfg)
+    export_accelerate_files(cfg, facts, path)
+    return path
+
+
+def run(cfg: RunConfig, path: Path) -> dict:
+    """Train the prepared run dir: in this process, or N workers under torchrun."""
     log.info("run dir: %s", path)
     # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
     # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
@@ -118,3 +128,50 @@ def launch(cfg: RunConfig) -> dict:
         multiprocess.threads_per_process(cfg.cluster.processes_per_node),
     )
     return multiprocess.run(cfg, path)
+
+
+def run_recorded(cfg: RunConfig, path: Path) -> dict:
+    """`run`, and whatever ends it is in result.json (a run that fails before training starts writes none)."""
+    try:
+        return run(cfg, path)
+    except BaseException as err:
+        interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "exit_code", 1) >= 128
+        run_dir.record_end(path, "interrupted" if interrupted else "failed", one_line(err))
+        raise
+
+
+def one_line(err: BaseException) -> str:
+    from xtrain.multiprocess import LaunchFailed
+
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return text if isinstance(err, (ConfigError, LaunchFailed)) else f"{type(err).__name__}: {text}"
+
+
+def main() -> None:
+    """`python -m xtrain.launch RUN_DIR`: train a run dir that was prepared already (a sweep's point in a
+    process of its own). Exit 0 done, 1 failed, 2 a config error, 130 interrupted."""
+    import logging.config
+    import signal
+    import sys
+    from importlib.resources import files
+
+    from xtrain import config
+    from xtrain.worker import _on_sigterm
+
+    logging.config.dictConfig(yaml.safe_load((files("xtrain.conf") / "hydra/job_logging/xtrain.yaml").read_text()))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    path = Path(sys.argv[1])
+    try:
+        run_recorded(config.load(str(path / run_dir.RUN_CONFIG)), path)
+    except ConfigError as err:
+        print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as err:
+        print(f"xtrain: error: {one_line(err)}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", 1))
+
+
+if __name__ == "__main__":
+    main()

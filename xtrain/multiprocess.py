@@ -110,15 +110,6 @@ def first_error(run_dir: Path) -> dict | None:
     return min(root, key=lambda e: e["time"]) if root else None
 
 
-def record_failure(run_dir: Path, status: str, error: str) -> None:
-    """The driver's word in result.json once training had started (a rank may have died before writing it)."""
-    path = run_dir / rundir.RESULT
-    if path.exists():
-        result = json.loads(path.read_text())
-        if result.get("status") == "running":
-            rundir.write_result(run_dir, {**result, "status": status, "error": error})
-
-
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict) -> int:
     """Run the workers under torchrun; return its exit code, or -signum if SIGINT/SIGTERM stopped them."""
     port = topology.main_process_port or free_port()
@@ -127,7 +118,8 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads_per_process(topology.processes_per_node)),
-        "XTRAIN_LAUNCH_TIME": str(psutil.Process().create_time()),
+        # when the run started: this process's start, or the sweep point's (set by the sweep)
+        "XTRAIN_LAUNCH_TIME": os.environ.get("XTRAIN_LAUNCH_TIME") or str(psutil.Process().create_time()),
         "PYTHONUNBUFFERED": "1",
         **env,
     }
@@ -166,7 +158,7 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {})
     if code < 0:
         name = signal.Signals(-code).name
-        record_failure(run_dir, "interrupted", f"stopped by {name}")
+        rundir.record_end(run_dir, "interrupted", f"stopped by {name}", started_only=True)
         raise LaunchFailed(f"stopped by {name}; all workers ended", 128 - code)
     if code != 0:
         error = first_error(run_dir)
@@ -174,8 +166,9 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {run_dir / 'logs'})", 1)
         if error["config_error"]:
             raise ConfigError(error["summary"])
-        record_failure(run_dir, "failed", f"rank {error['rank']}: {error['summary']}")
-        sys.stderr.write(error["traceback"])
+        rundir.record_end(run_dir, "failed", f"rank {error['rank']}: {error['summary']}", started_only=True)
+        if not error.get("diverged"):  # that one line says it all
+            sys.stderr.write(error["traceback"])
         raise LaunchFailed(
             f"rank {error['rank']} failed: {error['summary']}\n"
             f"all {c.world_size} workers stopped; every rank's output: {run_dir / 'logs'}", 1,

@@ -24,13 +24,18 @@ def holds_run(run_dir: Path) -> bool:
     return (run_dir / RESULT).exists() or bool(checkpoint.existing(run_dir))
 
 
-def prepare(cfg: RunConfig) -> Path:
-    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
-    run_dir = Path(cfg.run_dir)
-    if cfg.resume == "none" and holds_run(run_dir):
+def check_free(cfg: RunConfig) -> None:
+    """Refuse to start over a run that is there already (unless resuming)."""
+    if cfg.resume == "none" and holds_run(Path(cfg.run_dir)):
         raise ConfigError(
             f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"
         )
+
+
+def prepare(cfg: RunConfig) -> Path:
+    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
+    check_free(cfg)
+    run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / RUN_CONFIG, to_yaml(cfg))
     return run_dir
@@ -38,6 +43,17 @@ def prepare(cfg: RunConfig) -> Path:
 
 def write_result(run_dir: Path, result: dict) -> None:
     write_atomic(run_dir / RESULT, json.dumps(result, indent=2) + "\n")
+
+
+def record_end(run_dir: Path, status: str, error: str, started_only: bool = False) -> None:
+    """How a run ended, in result.json, unless its trainer recorded an end already. `started_only`: only
+    for a run whose training had started (its result.json exists): a run that failed before can reuse its dir."""
+    path = run_dir / RESULT
+    if started_only and not path.exists():
+        return
+    result = json.loads(path.read_text()) if path.exists() else {}
+    if result.get("status") in (None, "running"):
+        write_result(run_dir, {**result, "status": status, "error": error})
 
 
 def keep_metrics_until(run_dir: Path, step: int) -> None:

@@ -269,6 +269,7 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
         "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
+        "cpu_threads": torch.get_num_threads(),
     }
     if accelerator.distributed_type is DistributedType.FSDP:
         result["fsdp_units"] = fsdp_units(c.model)
@@ -314,7 +315,7 @@ def train(run_dir: str | Path) -> dict:
     batches = _recording_first_batch(
         micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
-    window = Window(torch.zeros((), device=accelerator.device))
+    window, last_finite = Window(), None
     progress = tqdm(
         total=t.max_steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True,
         disable=not (accelerator.is_main_process and sys.stderr.isatty()),  # log files get the log lines only
@@ -322,10 +323,13 @@ def train(run_dir: str | Path) -> dict:
     try:
         with logging_redirect_tqdm():
             for step in range(start_step + 1, t.max_steps + 1):
-                window.loss_sum += optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+                loss_sum = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+                loss = finite_mean_loss(accelerator, loss_sum, t.grad_accum, step, last_finite, cfg)
+                last_finite = (step, loss)
                 if accelerator.optimizer_step_was_skipped:
                     skipped += 1
-                window.micro_batches += t.grad_accum
+                window.loss_sum += loss
+                window.steps += 1
                 window.tokens += tokens_per_step
                 tokens_seen += tokens_per_step
                 progress.update(1)
@@ -335,7 +339,7 @@ def train(run_dir: str | Path) -> dict:
                 if step % t.log_every == 0 or step == t.max_steps:
                     result["train_loss"] = log_train(accelerator, window, step, scheduler, tokens_seen, skipped)
                     progress.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
-                    window = Window(window.loss_sum.zero_())
+                    window = Window()
                 if step % t.eval_every == 0 or step == t.max_steps:
                     result["val_loss"] = run_eval(accelerator, model, c.val_loader, step)
                     result["val_ppl"] = math.exp(result["val_loss"])
@@ -391,19 +395,33 @@ def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum:
     return loss_sum
 
 
+def finite_mean_loss(accelerator: Accelerator, loss_sum: torch.Tensor, grad_accum: int, step: int,
+                     last_finite: tuple[int, float] | None, cfg: RunConfig) -> float:
+    """The step's mean loss over its micro-batches and every rank; a NaN or infinite one stops the run
+    at once, on every rank alike (they all see the reduced value)."""
+    loss = accelerator.reduce(loss_sum, "mean").item() / grad_accum
+    if not math.isfinite(loss):
+        before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
+        raise config.Diverged(
+            f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
+            f"(now {cfg.trainer.lr:g}) or raise trainer.warmup_steps (now {cfg.trainer.warmup_steps})"
+        )
+    return loss
+
+
 @dataclass
 class Window:
     """Train loss and throughput since the last log line."""
 
-    loss_sum: torch.Tensor
-    micro_batches: int = 0
+    loss_sum: float = 0.0
+    steps: int = 0
     tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
 
 
 def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, tokens_seen: int, skipped: int) -> float:
     """Log the window's mean train loss (over every rank), lr and throughput; returns the loss."""
-    train_loss = accelerator.reduce(window.loss_sum, "mean").item() / window.micro_batches
+    train_loss = window.loss_sum / window.steps
     metrics = {
         "train/loss": train_loss,
         "train/lr": scheduler.get_last_lr()[0],

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from xtrain.config import ConfigError
+from xtrain.config import ConfigError, Diverged
 
 ERRORS_DIR = Path("logs") / "errors"
 
@@ -50,6 +50,7 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
         "rank": rank,
         "time": time.time(),
         "config_error": isinstance(err, ConfigError),
+        "diverged": isinstance(err, Diverged),
         "terminated": isinstance(err, Terminated),
         "summary": summarize(err, timeout_s),
         "traceback": "".join(traceback.format_exception(err)),
