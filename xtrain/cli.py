@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
 import sys
@@ -17,12 +18,12 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from xtrain import config
-from xtrain.config import ConfigError, RunConfig
+from xtrain.config import ConfigError, Diverged, RunConfig, SweepFailed
 from xtrain.multiprocess import LaunchFailed
 
 GROUP_SCHEMAS = {
@@ -37,6 +38,7 @@ GROUP_SCHEMAS = {
 
 
 def register_schemas() -> None:
+    make_launchers_visible()  # conf/config.yaml names hydra/launcher=xtrain
     store = ConfigStore.instance()
     store.store(name="run_config", node=RunConfig)
     for group, schema in GROUP_SCHEMAS.items():
@@ -105,6 +107,9 @@ def hydra_main(cfg: DictConfig):
     except LaunchFailed as err:
         print(f"xtrain: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except Diverged as err:
+        print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(1)
     finally:  # a dry run or a refused run leaves no empty run dir behind
         _remove_if_empty(Path(output_dir))
 
@@ -114,19 +119,39 @@ def _remove_if_empty(path: Path) -> None:
         path.rmdir()
 
 
+def make_launchers_visible() -> None:
+    """Hydra finds launchers by listing `hydra_plugins.__path__`; a setuptools editable install serves the
+    package through an import hook that such a listing cannot see. Put its real folder on sys.path."""
+    spec = importlib.util.find_spec("hydra_plugins.xtrain_launcher")
+    if spec is not None and spec.origin is not None:
+        root = str(Path(spec.origin).parents[2])
+        if root not in sys.path:
+            sys.path.append(root)
+
+
 def main() -> None:
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
-    except ConfigError as err:
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        if "xtrain.sweep" in sys.modules:  # a sweep refused before it ran: its dir as it was
+            sys.modules["xtrain.sweep"].undo_refused_sweep()
+        _report_refusal(err)
+    except SweepFailed as err:  # one line per failed point; the summary has them all
+        for line in str(err).splitlines():
+            print(f"xtrain: error: {line}", file=sys.stderr)
+        sys.exit(err.exit_code)
+
+
+def _report_refusal(err: Exception) -> None:
+    if isinstance(err, ConfigError):
         fail(str(err))
-    except MissingConfigException as err:  # unknown group option: Hydra's message lists the choices
+    if isinstance(err, MissingConfigException):  # unknown group option: Hydra's message lists the choices
         print(f"xtrain: error: {str(err).split('Config search path')[0].strip()}", file=sys.stderr)
         sys.exit(2)
-    except (ConfigCompositionException, HydraException, OmegaConfBaseException) as err:
-        fail(explain(err))
+    fail(explain(err))
 
 
 if __name__ == "__main__":

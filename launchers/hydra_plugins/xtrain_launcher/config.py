@@ -1,0 +1,15 @@
+"""The launcher's config, registered under `hydra/launcher` when Hydra discovers the plugin."""
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class LocalLauncherConf:
+    _target_: str = "hydra_plugins.xtrain_launcher.launcher.LocalLauncher"
+    n_jobs: int = 1
+    """Points run at once, each with its own GPUs (CUDA_VISIBLE_DEVICES) or its own share of the cores."""
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="xtrain", node=LocalLauncherConf, provider="xtrain")

@@ -1,0 +1,265 @@
+"""Sweeps through the real CLI (`python -m xtrain -m ...`): every point validated first, failures recorded and
+the sweep goes on, a summary after every point, resume that skips finished points and continues the rest."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import REPO, read_result, run_xtrain
+from test_errors import assert_one_line_error
+
+# Small points: a few seconds each, in the driver.
+TINY = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2", "trainer.eval_every=3",
+        "trainer.save_every=3"]
+
+
+def sweep(sweep_dir: Path, *overrides: str, check: bool = True, env: dict | None = None):
+    return run_xtrain("-m", f"run_dir={sweep_dir}", *overrides, check=check, env=env)
+
+
+def csv_rows(sweep_dir: Path) -> list[dict]:
+    with open(sweep_dir / "sweep.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    import torch
+
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), (a, name)
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    sweep_dir = tmp_path_factory.mktemp("grid") / "sweep"
+    proc = sweep(sweep_dir, "trainer.batch_size=4,8", "trainer.grad_accum=1,2", *TINY)
+    return sweep_dir, proc
+
+
+def test_a_grid_runs_every_point_into_its_own_run_dir(grid):
+    sweep_dir, proc = grid
+    names = ["0_batch_size=4,grad_accum=1", "1_batch_size=4,grad_accum=2", "2_batch_size=8,grad_accum=1",
+             "3_batch_size=8,grad_accum=2"]
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == names
+    for name in names:
+        point = sweep_dir / name
+        assert {"run.yaml", "metrics.jsonl", "result.json", "checkpoints", "model"} <= {p.name for p in point.iterdir()}
+        assert read_result(point)["status"] == "completed"
+    assert "batch_size: 8" in (sweep_dir / names[3] / "run.yaml").read_text()
+    assert "grad_accum: 2" in (sweep_dir / names[3] / "run.yaml").read_text()
+    assert "sweep done: 4 points" in proc.stdout
+
+
+def test_the_summary_has_a_row_per_point_and_marks_the_best(grid):
+    sweep_dir, _ = grid
+    rows = csv_rows(sweep_dir)
+    assert [r["point"] for r in rows] == [p["dir"] for p in json.loads((sweep_dir / "sweep.json").read_text())["points"]]
+    assert [(r["trainer.batch_size"], r["trainer.grad_accum"]) for r in rows] == [("4", "1"), ("4", "2"), ("8", "1"),
+                                                                                 ("8", "2")]
+    for r in rows:
+        assert r["status"] == "completed" and r["steps"] == "6" and r["world_size"] == "1" and r["error"] == ""
+        result = read_result(sweep_dir / r["point"])
+        assert float(r["val_loss"]) == pytest.approx(result["val_loss"])
+        sequences = int(r["trainer.batch_size"]) * int(r["trainer.grad_accum"])
+        assert (int(r["batch_sequences"]), int(r["batch_tokens"])) == (sequences, sequences * 128)
+    best = min(rows, key=lambda r: float(r["val_loss"]))
+    markdown = (sweep_dir / "summary.md").read_text()
+    assert f"**{best['point']}** (best)" in markdown and "4 points: 4 completed" in markdown
+
+
+def test_the_picture_is_a_real_png_with_curves_and_a_heatmap(grid):
+    import matplotlib.image
+
+    sweep_dir, _ = grid
+    image = matplotlib.image.imread(sweep_dir / "sweep.png")
+    assert image.shape[0] >= 400 and image.shape[1] >= 1200  # two panels side by side
+
+
+def test_status_prints_a_sweep_and_a_run(grid):
+    sweep_dir, _ = grid
+    (sweep_dir / "sweep.csv").unlink()
+    proc = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
+                          cwd=REPO, check=True)
+    assert "trainer.batch_size" in proc.stdout.splitlines()[0] and proc.stdout.count("completed") == 4
+    assert "best: " in proc.stdout and (sweep_dir / "sweep.csv").exists()  # regenerated
+    one = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir / "0_batch_size=4,grad_accum=1")],
+                         capture_output=True, text=True, cwd=REPO, check=True)
+    assert "completed, step 6 of 6" in one.stdout and "val_loss" in one.stdout
+    bad = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir / "checkpoints-nowhere")],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "neither a run dir" in bad.stderr
+
+
+def test_experiment_presets_sweep_with_glob(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    sweep(sweep_dir, "experiment=glob(*)", *TINY)
+    points = sorted(p.name for p in sweep_dir.iterdir() if p.is_dir())
+    assert points == ["0_experiment=gpt2_deeper", "1_experiment=tiny_llama_bf16"]
+    deeper, llama = (read_result(sweep_dir / p) for p in points)
+    assert llama["precision"] == "bf16" and "arch: llama" in (sweep_dir / points[1] / "run.yaml").read_text()
+    assert "num_layers: 8" in (sweep_dir / points[0] / "run.yaml").read_text()
+    assert deeper["status"] == llama["status"] == "completed"
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["trainer.batch_size=8,0"], "point 1 (trainer.batch_size=0): trainer.batch_size=0: must be > 0"),
+    # caught while Hydra composes, before xtrain sees the points: the setting and its swept values
+    (["trainer.batch_size=8,16", "trainer.bacth_size=1,2"],
+     "trainer.bacth_size=1,2: no such setting; did you mean trainer.batch_size?"),
+    (["trainer.lr=1e-3,fast"], "trainer.lr=1e-3,fast: not a valid float"),
+    (["trainer.batch_size=8,16", "trainer.max_steps=5", "resume=runs/elsewhere"],
+     "resume=runs/elsewhere: a sweep resumes with resume=auto"),
+])
+def test_a_bad_point_stops_the_sweep_before_anything_runs(tmp_path, overrides, expected):
+    sweep_dir = tmp_path / "sweep"
+    assert_one_line_error(sweep(sweep_dir, *overrides, *TINY, check=False), expected)
+    assert not sweep_dir.exists()
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, "trainer.batch_size=2000,8", *TINY, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == ("xtrain: error: point 0 (trainer.batch_size=2000) failed: trainer.batch_size=2000: larger "
+                        "than the 955 training blocks; use a smaller batch")
+    assert "1 of 2 points failed" in lines[-1]
+    rows = csv_rows(sweep_dir)
+    assert [r["status"] for r in rows] == ["failed", "completed"] and "larger than the 955" in rows[0]["error"]
+    assert read_result(sweep_dir / rows[0]["point"])["status"] == "failed"
+
+
+def test_a_diverging_run_stops_at_once_with_one_line(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = sweep(sweep_dir, "trainer.lr=1e6,2e-3", "trainer.max_grad_norm=0", *TINY, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    diverged = read_result(sweep_dir / "0_lr=1000000.0")
+    assert diverged["status"] == "failed" and diverged["steps"] < 6
+    assert "the loss is nan" in diverged["error"] and "lower trainer.lr (now 1e+06)" in diverged["error"]
+    assert read_result(sweep_dir / "1_lr=0.002")["status"] == "completed"
+    # a single run says the same in one line
+    run_dir = tmp_path / "run"
+    single = run_xtrain(f"run_dir={run_dir}", "trainer.lr=1e6", "trainer.max_grad_norm=0", *TINY, check=False)
+    assert single.returncode == 1 and "Traceback" not in single.stderr
+    assert single.stderr.strip().splitlines() == [f"xtrain: error: {read_result(run_dir)['error'][len('Diverged: '):]}"]
+
+
+RESUMABLE = ["trainer.batch_size=4,8,16", "trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=2",
+             "trainer.eval_every=4", "trainer.save_every=4"]
+
+
+def test_a_killed_sweep_resumes_to_the_unbroken_sweeps_weights(tmp_path):
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    sweep(unbroken, *RESUMABLE)
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", "-m", f"run_dir={broken}", *RESUMABLE], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    middle = broken / "1_batch_size=8" / "checkpoints" / "step_00000004" / "xtrain_state.json"
+    deadline = time.time() + 300
+    while not middle.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    first = broken / "0_batch_size=4"
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
+    killed = subprocess.run([sys.executable, "-m", "xtrain.status", str(broken)], capture_output=True, text=True,
+                            cwd=REPO, check=True).stdout
+    assert "pending" in killed and "completed" in killed  # point 2 never started, point 0 done
+
+    # a changed setting is refused, and so is a new start over the sweep
+    assert_one_line_error(sweep(broken, *RESUMABLE, "trainer.lr=1e-3", "resume=auto", check=False),
+                          "point 0 (trainer.batch_size=4): run_dir=", "holds a run with other settings", "trainer.lr")
+    assert_one_line_error(sweep(broken, *RESUMABLE, check=False), "already holds a run")
+
+    resumed = sweep(broken, *RESUMABLE, "resume=auto")
+    assert "2 to run" in resumed.stdout
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before  # the finished point is untouched
+    assert read_result(broken / "1_batch_size=8")["resumed_from"] is not None
+    for name in ("0_batch_size=4", "1_batch_size=8", "2_batch_size=16"):
+        assert_same_weights(broken / name, unbroken / name)
+    assert [r["status"] for r in csv_rows(broken)] == ["completed"] * 3
+
+
+def test_ctrl_c_interrupts_the_current_point_and_stops(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", "-m", f"run_dir={sweep_dir}", "trainer.batch_size=4,8",
+                             "trainer.max_steps=2000", "trainer.log_every=1"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if "step 3 |" in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "sweep interrupted; continue it with" in err
+    assert read_result(sweep_dir / "0_batch_size=4")["status"] == "interrupted"
+    assert [r["status"] for r in csv_rows(sweep_dir)] == ["interrupted", "pending"]
+    assert not psutil.pid_exists(proc.pid)
+
+
+def test_points_in_parallel_each_get_their_share_of_the_cores(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    sweep(sweep_dir, "trainer.batch_size=4,8", "hydra.launcher.n_jobs=2", *TINY)
+    cores = len(os.sched_getaffinity(0))
+    for name in ("0_batch_size=4", "1_batch_size=8"):
+        result = read_result(sweep_dir / name)
+        assert result["status"] == "completed" and result["cpu_threads"] == max(1, cores // 2)
+        assert "done: 6 steps" in (sweep_dir / name / "logs" / "point.log").read_text()
+    assert [r["status"] for r in csv_rows(sweep_dir)] == ["completed", "completed"]
+
+
+def peak_rss_mb(*args: str) -> float:
+    """The peak resident memory of `python -m xtrain ARGS`, measured by a parent that runs only that."""
+    code = ("import resource, subprocess, sys; subprocess.run([sys.executable, '-m', 'xtrain', *sys.argv[1:]], "
+            "check=True, capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, check=True)
+    return int(out.stdout) / 1024
+
+
+def test_points_in_the_driver_release_their_memory(tmp_path):
+    """Three points of a 26 M-parameter model: the driver peaks at about one point's memory, not three."""
+    big = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=2048",
+           "trainer.batch_size=2", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
+           "data.block_size=64", "trainer.warmup_steps=1"]
+    one = peak_rss_mb(f"run_dir={tmp_path / 'one'}", *big)
+    three = peak_rss_mb("-m", f"run_dir={tmp_path / 'three'}", "trainer.seed=1,2,3", *big)
+    print(f"peak RSS: one run {one:.0f} MB, a 3-point sweep {three:.0f} MB")
+    assert three < one * 1.25
+
+
+DISCOVER = ("from xtrain.cli import register_schemas; register_schemas(); "
+            "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
+            "import hydra_plugins.xtrain_launcher.launcher as m; "
+            "print(m.__file__, [c.__name__ for c in Plugins.instance().discover(Launcher)])")
+
+
+def test_hydra_finds_the_launcher_in_this_editable_install(tmp_path):
+    """A setuptools editable install hides namespace packages from Hydra's scan: xtrain makes them visible."""
+    out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert "'LocalLauncher'" in out.stdout and str(REPO / "launchers") in out.stdout
+
+
+def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
+    """`pip install .` (a wheel, not editable) into its own folder, put first on the path."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(target)})
+    assert "'LocalLauncher'" in out.stdout and str(target) in out.stdout

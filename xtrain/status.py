@@ -1,0 +1,70 @@
+"""`python -m xtrain.status DIR`: where a sweep or a run stands, from its files alone.
+
+For a sweep dir: regenerates `sweep.csv`, `summary.md` and `sweep.png` and prints the table.
+For a run dir: its status, steps, losses and throughput. Works on a running or killed sweep too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from xtrain import run_dir as rundir, summary
+
+SHOWN = ["point", "status", "steps", "train_loss", "val_loss", "tokens_per_s", "batch_sequences", "wall_time_s"]
+
+
+def table_text(table: list[dict], columns: list[str]) -> str:
+    cells = [[summary._fmt(r.get(c, "")) for c in columns] for r in table]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def sweep_status(sweep_dir: Path) -> str:
+    table = summary.write(sweep_dir)
+    keys = summary.swept_keys(summary.points(sweep_dir))
+    columns = SHOWN[:1] + keys + SHOWN[1:]
+    lines = [table_text(table, columns)]
+    for r in table:
+        if r["error"]:
+            lines.append(f"{r['point']}: {r['error']}")
+    top = summary.best(table)
+    if top:
+        lines.append(f"best: {top['point']} (val loss {top['val_loss']:.4f})")
+    lines.append(f"files: {sweep_dir / summary.MARKDOWN}, {sweep_dir / summary.CSV}, {sweep_dir / summary.PLOT}")
+    return "\n".join(lines)
+
+
+def run_status(run_dir: Path) -> str:
+    row = summary.run_row(run_dir)
+    cfg = summary._run_config(run_dir)
+    lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {cfg.trainer.max_steps}"]
+    for name in ("train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"):
+        if row[name] != "":
+            lines.append(f"  {name:16} {summary._fmt(row[name])}")
+    if row["error"]:
+        lines.append(f"  error            {row['error']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from xtrain.sweep import SWEEP_FILE
+
+    if len(sys.argv) != 2:
+        print("usage: python -m xtrain.status RUN_DIR_OR_SWEEP_DIR", file=sys.stderr)
+        sys.exit(2)
+    path = Path(sys.argv[1])
+    if (path / SWEEP_FILE).is_file():
+        print(sweep_status(path))
+    elif (path / rundir.RUN_CONFIG).is_file():
+        print(run_status(path))
+    else:
+        print(f"xtrain.status: error: {path}: neither a run dir (run.yaml) nor a sweep dir ({SWEEP_FILE})",
+              file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

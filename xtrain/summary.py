@@ -1,0 +1,211 @@
+"""A sweep's summary files, derived from its points' run dirs and nothing else.
+
+`sweep.csv` (one row per point), `summary.md` (the same table for people, the best point
+marked) and `sweep.png` (val loss curves against tokens seen; the final val loss against one
+swept setting, or a heatmap over two). Any machine that sees the files can regenerate them at
+any time: a running, a killed or a finished sweep alike.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+from xtrain import run_dir as rundir
+from xtrain.files import write_atomic
+
+CSV = "sweep.csv"
+MARKDOWN = "summary.md"
+PLOT = "sweep.png"
+COLUMNS = ["status", "steps", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences",
+           "batch_tokens", "world_size", "wall_time_s", "error"]
+
+
+def points(sweep_dir: Path) -> list[dict]:
+    from xtrain.sweep import SWEEP_FILE
+
+    return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())["points"]
+
+
+def swept_keys(entries: list[dict]) -> list[str]:
+    keys: list[str] = []
+    for entry in entries:
+        for override in entry["overrides"]:
+            key = override.partition("=")[0]
+            if key not in keys:
+                keys.append(key)
+    return keys
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _run_config(path: Path):
+    from xtrain import config
+
+    file = path / rundir.RUN_CONFIG
+    return config.load(str(file)) if file.exists() else None
+
+
+def run_row(path: Path) -> dict:
+    """One run dir's figures (status `pending` where it has not started)."""
+    result = _read_json(path / rundir.RESULT)
+    cfg = _run_config(path)
+    row = {column: result.get(column, "") for column in COLUMNS}
+    row["status"] = result.get("status", "pending")
+    if cfg is not None:
+        sequences = cfg.trainer.batch_size * cfg.trainer.grad_accum * cfg.cluster.world_size
+        row.update(batch_sequences=sequences, batch_tokens=sequences * cfg.data.block_size,
+                   world_size=result.get("world_size", cfg.cluster.world_size))
+    return row
+
+
+def rows(sweep_dir: Path) -> list[dict]:
+    entries = points(sweep_dir)
+    keys = swept_keys(entries)
+    out = []
+    for entry in entries:
+        values = dict(o.partition("=")[::2] for o in entry["overrides"])
+        out.append({"point": entry["dir"], **{k: values.get(k, "") for k in keys}, **run_row(Path(sweep_dir) / entry["dir"])})
+    return out
+
+
+def best(table: list[dict]) -> dict | None:
+    done = [r for r in table if r["status"] == "completed" and isinstance(r["val_loss"], float)]
+    return min(done, key=lambda r: r["val_loss"]) if done else None
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4f}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def markdown(sweep_dir: Path, table: list[dict]) -> str:
+    top = best(table)
+    counts: dict[str, int] = {}
+    for r in table:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    lines = [f"# Sweep {Path(sweep_dir).resolve()}", "",
+             f"{len(table)} points: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())), ""]
+    if top:
+        lines += [f"Best (lowest val loss): **{top['point']}**, val loss {top['val_loss']:.4f}", ""]
+    header = list(table[0]) if table else ["point"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for r in table:
+        cells = [_fmt(r[h]).replace("|", "/") for h in header]
+        if r is top:
+            cells[0] = f"**{cells[0]}** (best)"
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write(sweep_dir: Path) -> list[dict]:
+    """Regenerate sweep.csv, summary.md and sweep.png; returns the table."""
+    sweep_dir = Path(sweep_dir)
+    table = rows(sweep_dir)
+    buffer = io.StringIO()
+    if table:
+        writer = csv.DictWriter(buffer, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    write_atomic(sweep_dir / CSV, buffer.getvalue())
+    write_atomic(sweep_dir / MARKDOWN, markdown(sweep_dir, table))
+    plot(sweep_dir, table)
+    return table
+
+
+def _val_curve(path: Path) -> tuple[list[float], list[float]]:
+    cfg = _run_config(path)
+    metrics = path / rundir.METRICS
+    if cfg is None or not metrics.exists():
+        return [], []
+    per_step = cfg.trainer.batch_size * cfg.trainer.grad_accum * cfg.cluster.world_size * cfg.data.block_size
+    xs, ys = [], []
+    for line in metrics.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "val/loss" in row and math.isfinite(row["val/loss"]):
+            xs.append(row["step"] * per_step)
+            ys.append(row["val/loss"])
+    return xs, ys
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def plot(sweep_dir: Path, table: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = swept_keys(points(sweep_dir))
+    grid = 0 < len(keys) <= 2
+    fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 7, 4.8), squeeze=False)
+    curves = axes[0][0]
+    for r in table:
+        xs, ys = _val_curve(Path(sweep_dir) / r["point"])
+        if xs:
+            label = " ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys) or r["point"]
+            curves.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({r['status']})")
+    curves.set(xlabel="tokens seen", ylabel="val loss", title="validation loss")
+    curves.grid(alpha=0.3)
+    if curves.lines:
+        curves.legend(fontsize=8)
+    if grid:
+        finals = {tuple(r[k] for k in keys): r["val_loss"] for r in table if isinstance(r["val_loss"], float)}
+        _final_panel(axes[0][1], keys, table, finals)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    tmp = Path(sweep_dir) / f".{PLOT}.tmp"
+    tmp.write_bytes(buffer.getvalue())
+    tmp.replace(Path(sweep_dir) / PLOT)
+
+
+def _ordered(values: list[str]) -> list[str]:
+    unique = list(dict.fromkeys(values))
+    numbers = [_number(v) for v in unique]
+    return sorted(unique, key=_number) if all(n is not None for n in numbers) else unique
+
+
+def _final_panel(ax, keys: list[str], table: list[dict], finals: dict) -> None:
+    """Final val loss against one swept setting (a line), or over two (a heatmap)."""
+    first = _ordered([r[keys[0]] for r in table])
+    if len(keys) == 1:
+        xs = [v for v in first if (v,) in finals]
+        numeric = all(_number(v) is not None for v in xs)
+        ax.plot([_number(v) for v in xs] if numeric else xs, [finals[(v,)] for v in xs], marker="o")
+        ax.set(xlabel=keys[0], ylabel="final val loss", title=f"final val loss by {keys[0]}")
+        ax.grid(alpha=0.3)
+        return
+    second = _ordered([r[keys[1]] for r in table])
+    grid = [[finals.get((a, b), math.nan) for b in second] for a in first]
+    image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+    ax.set_xticks(range(len(second)), second)
+    ax.set_yticks(range(len(first)), first)
+    ax.set(xlabel=keys[1], ylabel=keys[0], title="final val loss")
+    done = [v for line in grid for v in line if not math.isnan(v)]
+    middle = (min(done) + max(done)) / 2 if done else 0.0
+    for i, line in enumerate(grid):
+        for j, value in enumerate(line):
+            color = "red" if math.isnan(value) else ("black" if value < middle else "white")  # on yellow, on purple
+            ax.text(j, i, "no result" if math.isnan(value) else f"{value:.3f}", ha="center", va="center",
+                    color=color, fontsize=9)
+    ax.figure.colorbar(image, ax=ax)
