@@ -27,3 +27,5 @@ bench: setup
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/precision.py
 	$(BIN)/python benchmarks/launch.py
+	$(BIN)/python benchmarks/strategies.py
+	$(BIN)/python benchmarks/sweep.py

@@ -127,6 +127,10 @@ def test_experiment_presets_sweep_with_glob(tmp_path):
     (["trainer.lr=1e-3,fast"], "trainer.lr=1e-3,fast: not a valid float"),
     (["trainer.batch_size=8,16", "trainer.max_steps=5", "resume=runs/elsewhere"],
      "resume=runs/elsewhere: a sweep resumes with resume=auto"),
+    # config groups sweep; the preflight of every point runs first (no GPU here: ZeRO is refused)
+    pytest.param(["strategy=ddp,zero2", "precision=fp32,bf16"],
+                 "point 2 (strategy=zero2 precision=fp32): strategy=zero2: DeepSpeed ZeRO needs CUDA GPUs",
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="ZeRO runs on a GPU")),
 ])
 def test_a_bad_point_stops_the_sweep_before_anything_runs(tmp_path, overrides, expected):
     sweep_dir = tmp_path / "sweep"

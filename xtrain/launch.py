@@ -106,6 +106,11 @@ def prepare(cfg: RunConfig, started: float | None = None) -> Path:
     facts = preflight(cfg)
     if cfg.cluster.node_rank > 0:
         return wait_for_run_dir(cfg, started or time.time())
+    return write_run_dir(cfg, facts)
+
+
+def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
+    """The run dir with run.yaml and the equivalent accelerate files (after `preflight`)."""
     path = run_dir.prepare(cfg)
     export_accelerate_files(cfg, facts, path)
     return path

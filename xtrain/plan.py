@@ -111,8 +111,19 @@ class Plan:
         return self.memory.total <= self.device_memory_gb * GB
 
 
+_FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
+
+
 def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
-    """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B)."""
+    """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
+    Kept per model for the process: a sweep's points mostly share theirs."""
+    key = repr((cfg.model, cfg.data.block_size, cfg.strategy.name, cfg.strategy.wrap_layer))
+    if key not in _FACTS:
+        _FACTS[key] = _model_facts(cfg)
+    return _FACTS[key]
+
+
+def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     from xtrain import model as models
 
     meta = models.on_meta(cfg.model, cfg.data.block_size)

@@ -39,8 +39,8 @@ def sweep_status(sweep_dir: Path) -> str:
 
 def run_status(run_dir: Path) -> str:
     row = summary.run_row(run_dir)
-    cfg = summary._run_config(run_dir)
-    lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {cfg.trainer.max_steps}"]
+    max_steps = summary.run_config(run_dir)["trainer"]["max_steps"]
+    lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {max_steps}"]
     for name in ("train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"):
         if row[name] != "":
             lines.append(f"  {name:16} {summary._fmt(row[name])}")

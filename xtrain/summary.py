@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+import yaml
+
 from xtrain import run_dir as rundir
 from xtrain.files import write_atomic
 
@@ -47,23 +49,23 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _run_config(path: Path):
-    from xtrain import config
-
+def run_config(path: Path) -> dict:
+    """run.yaml as plain data (empty before it is written): a summary reads many, typed loading is slow."""
     file = path / rundir.RUN_CONFIG
-    return config.load(str(file)) if file.exists() else None
+    return yaml.safe_load(file.read_text()) if file.exists() else {}
 
 
 def run_row(path: Path) -> dict:
     """One run dir's figures (status `pending` where it has not started)."""
     result = _read_json(path / rundir.RESULT)
-    cfg = _run_config(path)
+    cfg = run_config(path)
     row = {column: result.get(column, "") for column in COLUMNS}
     row["status"] = result.get("status", "pending")
-    if cfg is not None:
-        sequences = cfg.trainer.batch_size * cfg.trainer.grad_accum * cfg.cluster.world_size
-        row.update(batch_sequences=sequences, batch_tokens=sequences * cfg.data.block_size,
-                   world_size=result.get("world_size", cfg.cluster.world_size))
+    if cfg:
+        world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
+        sequences = cfg["trainer"]["batch_size"] * cfg["trainer"]["grad_accum"] * world
+        row.update(batch_sequences=sequences, batch_tokens=sequences * cfg["data"]["block_size"],
+                   world_size=result.get("world_size", world))
     return row
 
 
@@ -83,8 +85,8 @@ def best(table: list[dict]) -> dict | None:
 
 
 def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4f}" if abs(value) < 1000 else f"{value:.0f}"
+    if isinstance(value, float):  # losses to 4 decimals, ppl and seconds to 2, throughput whole
+        return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
 
 
@@ -123,12 +125,11 @@ def write(sweep_dir: Path) -> list[dict]:
     return table
 
 
-def _val_curve(path: Path) -> tuple[list[float], list[float]]:
-    cfg = _run_config(path)
+def _val_curve(path: Path, per_step: int) -> tuple[list[float], list[float]]:
+    """Val loss against tokens seen (`per_step` tokens per optimizer step)."""
     metrics = path / rundir.METRICS
-    if cfg is None or not metrics.exists():
+    if not per_step or not metrics.exists():
         return [], []
-    per_step = cfg.trainer.batch_size * cfg.trainer.grad_accum * cfg.cluster.world_size * cfg.data.block_size
     xs, ys = [], []
     for line in metrics.read_text().splitlines():
         try:
@@ -159,7 +160,7 @@ def plot(sweep_dir: Path, table: list[dict]) -> None:
     fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 7, 4.8), squeeze=False)
     curves = axes[0][0]
     for r in table:
-        xs, ys = _val_curve(Path(sweep_dir) / r["point"])
+        xs, ys = _val_curve(Path(sweep_dir) / r["point"], r["batch_tokens"])
         if xs:
             label = " ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys) or r["point"]
             curves.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({r['status']})")
