@@ -267,3 +267,22 @@ def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
     out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(target)})
     assert "'LocalLauncher'" in out.stdout and str(target) in out.stdout
+
+
+def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
+    """Pure check, any machine: N points at once on G GPUs get G // N each; never fewer than they ask for."""
+    from test_config import compose_run
+    from xtrain.config import ConfigError
+    from xtrain.sweep import Point, check_parallel
+
+    points = [Point(0, ["trainer.seed=1"], compose_run("cluster.num_processes=4")),
+              Point(1, ["trainer.seed=2"], compose_run("cluster.num_processes=2"))]
+    check_parallel(points, 2, gpus=8)
+    check_parallel(points, 3, gpus=0)  # CPU points share the cores
+    with pytest.raises(ConfigError, match=r"point 0 \(trainer.seed=1\): cluster.num_processes=4: with "
+                                          r"hydra.launcher.n_jobs=4 each point gets 2 of the 8 GPUs"):
+        check_parallel(points, 4, gpus=8)
+    with pytest.raises(ConfigError, match=r"hydra.launcher.n_jobs=3: this machine has 2 GPU\(s\)"):
+        check_parallel(points, 3, gpus=2)
+    with pytest.raises(ConfigError, match=r"hydra.launcher.n_jobs=0: must be >= 1"):
+        check_parallel(points, 0, gpus=0)

@@ -191,6 +191,24 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def check_parallel(points: list[Point], n_jobs: int, gpus: int) -> None:
+    """With GPUs, N points at once each get gpus // N of them: refuse what would not fit (never run on fewer)."""
+    if n_jobs < 1:
+        raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: must be >= 1")
+    if n_jobs == 1 or not gpus:
+        return
+    if n_jobs > gpus:
+        raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: this machine has {gpus} GPU(s); "
+                          f"run at most {gpus} points at once")
+    for point in points:
+        if point.cfg.cluster.processes_per_node > gpus // n_jobs:
+            raise ConfigError(
+                f"point {point.num} ({point.label}): cluster.num_processes={point.cfg.cluster.num_processes}: "
+                f"with hydra.launcher.n_jobs={n_jobs} each point gets {gpus // n_jobs} of the {gpus} GPUs; "
+                f"set cluster.num_processes<={gpus // n_jobs} or lower hydra.launcher.n_jobs"
+            )
+
+
 def _slots(n_jobs: int) -> list[dict]:
     """Each parallel slot's own GPUs (CUDA_VISIBLE_DEVICES) or, without GPUs, its own share of the cores."""
     gpus = hardware.visible_gpus()

@@ -39,16 +39,14 @@ class LocalLauncher(Launcher):
         return OmegaConf.to_container(sweep_config, resolve=True)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from xtrain import sweep
-        from xtrain.config import ConfigError
+        from xtrain import hardware, sweep
 
         assert self.config is not None
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
-        if self.n_jobs < 1:
-            raise ConfigError(f"hydra.launcher.n_jobs={self.n_jobs}: must be >= 1")
         sweep_dir = self.sweep_dir
         overrides = [list(o) for o in job_overrides]
         points = sweep.plan_points(overrides, self.compose, sweep_dir, initial_job_idx)
+        sweep.check_parallel(points, self.n_jobs, hardware.visible_gpus())
         todo = sweep.prepare_all(points, sweep_dir)
         sweep.run_all(points, todo, sweep_dir, self.n_jobs)  # raises SweepFailed if any point failed
         return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
