@@ -70,8 +70,9 @@ def test_exported_accelerate_config_is_the_cpu_run_it_came_from(ddp_two_processe
     config_file = ddp_two_processes / "accelerate_config.yaml"
     exported = yaml.safe_load(config_file.read_text())
     assert (exported["distributed_type"], exported["use_cpu"], exported["num_processes"]) == ("MULTI_CPU", True, 2)
-    proc = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "test", "--config_file", str(config_file)],
-                          capture_output=True, text=True, timeout=300)
+    bin_dir = Path(sys.executable).parent  # `accelerate test` starts `accelerate-launch` from PATH
+    proc = subprocess.run([str(bin_dir / "accelerate"), "test", "--config_file", str(config_file)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert proc.returncode == 0 and "Test is a success" in proc.stdout, proc.stdout + proc.stderr
     states = [line for line in proc.stdout.splitlines() if "Distributed environment:" in line]
     assert len(states) == 1 and "Device: cpu" in proc.stdout  # one CPU process, not two lone ones

@@ -162,9 +162,10 @@ def prepare_all(points: list[Point], sweep_dir: Path) -> list[Point]:
             raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
         todo.append((point, facts))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(sweep_dir / SWEEP_FILE, json.dumps({"points": [
-        {"num": p.num, "dir": p.path.name, "overrides": p.swept} for p in points
-    ]}, indent=2) + "\n")
+    # a sweeper may launch its points in several batches: this batch's points join the earlier ones
+    known = {e["num"]: e for e in (summary.points(sweep_dir) if (sweep_dir / SWEEP_FILE).exists() else [])}
+    known.update({p.num: {"num": p.num, "dir": p.path.name, "overrides": p.swept} for p in points})
+    write_atomic(sweep_dir / SWEEP_FILE, json.dumps({"points": [known[n] for n in sorted(known)]}, indent=2) + "\n")
     for point, facts in todo:
         launch.write_run_dir(point.cfg, facts)
     return [point for point, _ in todo]
