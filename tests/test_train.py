@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -96,8 +97,8 @@ def test_text_files_and_pretrained_local_model(tmp_path, short_run):
     )
     evals = [r for r in read_metrics(run_dir) if "val/loss" in r]
     assert evals[-1]["val/loss"] < evals[0]["val/loss"]
-    # started from the pretrained weights: its first val loss is far below an untrained model's ~7.6
-    assert evals[0]["val/loss"] < 7.0
+    # started from the pretrained weights: its first val loss is well below an untrained model's, ln(vocab)
+    assert evals[0]["val/loss"] < math.log(2048) - 0.4
 
 
 def test_datasets_save_to_disk_directory(tmp_path):
