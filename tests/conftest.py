@@ -74,3 +74,21 @@ def ddp_two_processes(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("ddp") / "run"
     run_xtrain(f"run_dir={run_dir}", "strategy=ddp", *SHARDED)
     return run_dir
+
+
+SLURM_SCRIPTS = REPO / "tests" / "slurm"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real 2-node SLURM cluster on this machine (tests/slurm/start_slurm.sh: munge, slurmdbd, slurmctld,
+    slurmd n1 and n2), stopped after the session with every daemon it started."""
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM tests start a cluster's daemons: run the tests as root (CI does)")
+    proc = subprocess.run(["bash", str(SLURM_SCRIPTS / "start_slurm.sh")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"the test SLURM cluster did not start:\n{proc.stderr[-3000:]}")
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", str(SLURM_SCRIPTS / "stop_slurm.sh")], capture_output=True, text=True)

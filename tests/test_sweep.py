@@ -268,7 +268,7 @@ def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
                     "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=300)
     out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(target)})
-    assert "'LocalLauncher'" in out.stdout and str(target) in out.stdout
+    assert "'LocalLauncher'" in out.stdout and "'SlurmLauncher'" in out.stdout and str(target) in out.stdout
 
 
 def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, List, Optional
+import re
+from typing import Any, Dict, List, Optional
 
 
 class ConfigError(ValueError):
@@ -249,10 +250,42 @@ class ClusterConfig:
     """A collective that waits longer than this (a stuck or dead rank) ends the run."""
     gpu_memory_gb: Optional[float] = None
     """Device memory to plan against (dry_run); default: what the local GPU has."""
+    # cluster=slurm: one job, one task per node, each running that node's workers (xtrain/slurm.py)
+    gpus_per_node: int = 0
+    """GPUs to request on each node (num_processes=auto: one process per GPU, 1 without GPUs)."""
+    cpus_per_task: Optional[int] = None
+    """CPU cores for each node's task (all of its workers); default: the partition's."""
+    mem_gb: Optional[float] = None
+    """Memory per node; default: the partition's."""
+    time_limit: str = "01:00:00"
+    """SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    exclude: Optional[str] = None
+    """Nodes not to run on, e.g. `n[3-4]`."""
+    job_name: str = "xtrain"
+    sbatch_args: Dict[str, str] = field(default_factory=dict)
+    """More `#SBATCH --key=value` lines, e.g. {mail-type: END}."""
+    setup: List[str] = field(default_factory=list)
+    """Shell lines run before the job's srun (module loads, environment activation)."""
+    srun_args: List[str] = field(default_factory=list)
+    container_image: Optional[str] = None
+    """Run every node's task in this image (pyxis: srun --container-image)."""
+    container_mounts: Optional[str] = None
+    """pyxis --container-mounts, e.g. /data:/data,/scratch:/scratch (the run dir must be visible inside)."""
+    wait: bool = True
+    """Follow the submitted job to its end (states, rank 0's log); false: return after submitting."""
 
     def __post_init__(self) -> None:
         _positive("cluster.nodes", self.nodes)
         _positive("cluster.timeout_s", self.timeout_s)
+        _non_negative("cluster.gpus_per_node", self.gpus_per_node)
+        for name in ("cpus_per_task", "mem_gb"):
+            if getattr(self, name) is not None:
+                _positive(f"cluster.{name}", getattr(self, name))
+        time_limit_minutes(self.time_limit)
         if not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
         if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):
@@ -270,6 +303,31 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
+
+
+_TIME_LIMIT = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+
+
+def time_limit_minutes(text: str) -> int:
+    """SLURM's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) → whole minutes, at least 1."""
+    match = _TIME_LIMIT.fullmatch(text.strip())
+    if not match:
+        raise ConfigError(
+            f"cluster.time_limit={text}: not a SLURM time limit; use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00"
+        )
+    days, first, second, third = match.groups()
+    if days is not None:  # D-HH[:MM[:SS]]
+        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
+    elif third is not None:  # HH:MM:SS
+        hours, minutes, seconds = int(first), int(second), int(third)
+    else:  # MM[:SS]
+        hours, minutes, seconds = 0, int(first), int(second or 0)
+    total = int(days or 0) * 1440 + hours * 60 + minutes + (seconds + 59) // 60
+    if total < 1 or minutes >= 60 and (days is not None or third is not None) or seconds >= 60:
+        raise ConfigError(
+            f"cluster.time_limit={text}: not a SLURM time limit; use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00"
+        )
+    return total
 
 
 @dataclass

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from dataclasses import replace
 
-from xtrain.config import ConfigError, Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.config import ClusterKind, ConfigError, Fp8Backend, Precision, RunConfig, Strategy
 
 ZERO_ON_CPU_ENV = "XTRAIN_TEST_ZERO_ON_CPU"
 FSDP_ON_CPU_ENV = "XTRAIN_TEST_FSDP_ON_CPU"
@@ -29,11 +29,21 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def submitting_to_slurm(cfg: RunConfig) -> bool:
+    """This process submits the run to SLURM: its nodes, not this machine, are what must run it."""
+    return cfg.cluster.kind is ClusterKind.slurm and "SLURM_JOB_ID" not in os.environ
+
+
+def node_gpus(cfg: RunConfig) -> int:
+    """GPUs of a node that runs the workers: the ones SLURM is asked for, or the ones visible here."""
+    return cfg.cluster.gpus_per_node if submitting_to_slurm(cfg) else visible_gpus()
+
+
 def resolve_processes(cfg: RunConfig) -> RunConfig:
-    """`cluster.num_processes=auto` → one per visible GPU, else 1; written resolved into run.yaml."""
+    """`cluster.num_processes=auto` → one per GPU of a node, else 1; written resolved into run.yaml."""
     if cfg.cluster.num_processes != "auto":
         return cfg
-    cluster = replace(cfg.cluster, num_processes=str(max(1, visible_gpus())))
+    cluster = replace(cfg.cluster, num_processes=str(max(1, node_gpus(cfg))))
     return replace(cfg, cluster=cluster)
 
 
@@ -93,7 +103,12 @@ def refusal(cfg: RunConfig) -> str | None:
     """Why this machine cannot run the request, or None."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    if submitting_to_slurm(cfg):  # the nodes' GPUs are checked on the nodes, before their workers start
+        cuda = cfg.cluster.gpus_per_node > 0
+        if cuda:
+            return None
+    else:
+        cuda = torch.cuda.is_available()
     strategy, precision = cfg.strategy.name, cfg.precision.name
     if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg) and not fsdp_on_cpu(cfg):
         kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir
-from xtrain.config import ConfigError, ModelSource, Offload, RunConfig, Strategy
+from xtrain.config import ClusterKind, ConfigError, ModelSource, Offload, RunConfig, Strategy
 from xtrain.files import write_atomic
 
 log = logging.getLogger("xtrain")
@@ -29,16 +29,20 @@ def preflight(cfg: RunConfig) -> plugins.ModelFacts:
     """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts."""
     hardware.check(cfg)
     c = cfg.cluster
-    if c.nodes > 1 and c.main_process_port is None:
+    if c.kind is ClusterKind.slurm:
+        from xtrain import slurm
+
+        slurm.check(cfg)
+    elif c.nodes > 1 and c.main_process_port is None:
         raise ConfigError(
             f"cluster.main_process_port is empty: cluster.nodes={c.nodes} needs the same port on every node, "
             "e.g. cluster.main_process_port=29500"
         )
-    gpus = hardware.visible_gpus()
+    gpus = hardware.node_gpus(cfg)
     if gpus and c.processes_per_node > gpus:
+        where = f"cluster.gpus_per_node={gpus}" if hardware.submitting_to_slurm(cfg) else f"this node has {gpus} GPU(s)"
         raise ConfigError(
-            f"cluster.num_processes={c.num_processes}: this node has {gpus} GPU(s); "
-            f"use cluster.num_processes<={gpus} (or auto)"
+            f"cluster.num_processes={c.num_processes}: {where}; use cluster.num_processes<={gpus} (or auto)"
         )
     nvme = cfg.strategy.nvme_path
     nvme_offloads = [f"strategy.{name}=nvme" for name in ("offload_optimizer", "offload_param")
@@ -72,7 +76,7 @@ def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Pat
         ds_path = path / DEEPSPEED_CONFIG
         ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
         write_atomic(ds_path, json.dumps(ds, indent=2) + "\n")
-    exported = plugins.accelerate_config(cfg, facts, str(ds_path), cuda=hardware.visible_gpus() > 0)
+    exported = plugins.accelerate_config(cfg, facts, str(ds_path), cuda=hardware.node_gpus(cfg) > 0)
     write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(exported))
 
 
@@ -94,6 +98,10 @@ def launch(cfg: RunConfig) -> dict:
     """The CLI's single run: check, write the run dir, train."""
     started = time.time()
     cfg = hardware.resolve_processes(cfg)
+    if cfg.cluster.kind is ClusterKind.slurm:
+        from xtrain import slurm
+
+        return slurm.launch(cfg)
     if cfg.dry_run:
         the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
         print(plan.render(the_plan))

@@ -44,8 +44,10 @@ def free_port() -> int:
 
 
 def threads_per_process(processes: int) -> int:
-    """Split this node's cores between its workers (torchrun's default is 1 thread each)."""
+    """Split this node's cores (in a SLURM job: the ones it was given) between its workers (torchrun's
+    default is 1 thread each)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = int(os.environ.get("SLURM_CPUS_ON_NODE") or cores)
     return max(1, cores // processes)
 
 
@@ -156,12 +158,14 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     c = cfg.cluster
     topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
     code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {})
+    error = first_error(run_dir)
+    if code < 0 and error is not None and not error["terminated"]:
+        code = 1  # stopped because a rank on another node failed (SLURM ends a job's tasks when one fails)
     if code < 0:
         name = signal.Signals(-code).name
         rundir.record_end(run_dir, "interrupted", f"stopped by {name}", started_only=True)
         raise LaunchFailed(f"stopped by {name}; all workers ended", 128 - code)
     if code != 0:
-        error = first_error(run_dir)
         if error is None:
             raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {run_dir / 'logs'})", 1)
         if error["config_error"]:

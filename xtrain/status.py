@@ -6,6 +6,8 @@ For a run dir: its status, steps, losses and throughput. Works on a running or k
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -22,10 +24,30 @@ def table_text(table: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _logged_steps(run_dir: Path) -> int:
+    """The newest step in metrics.jsonl (a run still training has no result figures yet)."""
+    try:
+        lines = (run_dir / rundir.METRICS).read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return json.loads(line).get("step", 0)
+        except json.JSONDecodeError:  # a line being written
+            continue
+    return 0
+
+
 def sweep_status(sweep_dir: Path) -> str:
+    entries = summary.points(sweep_dir)
+    jobs = {e["dir"]: slurm_state(sweep_dir / e["dir"]) for e in entries}
     table = summary.write(sweep_dir)
-    keys = summary.swept_keys(summary.points(sweep_dir))
+    keys = summary.swept_keys(entries)
     columns = SHOWN[:1] + keys + SHOWN[1:]
+    if any(jobs.values()):
+        for r in table:
+            r["slurm"] = jobs.get(r["point"]) or ""
+        columns.append("slurm")
     lines = [table_text(table, columns)]
     for r in table:
         if r["error"]:
@@ -37,10 +59,30 @@ def sweep_status(sweep_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def slurm_state(run_dir: Path) -> str | None:
+    """The SLURM job of a run submitted with cluster=slurm, as SLURM sees it now; a job that ended without
+    its run recording how (cancelled, timed out, a node lost) gets that recorded in result.json here."""
+    from xtrain import slurm
+
+    job = slurm.recorded_job(run_dir)
+    if job is None:
+        return None
+    if shutil.which("squeue") is None:
+        return f"job {job.job_id} (SLURM's commands are not on this machine's PATH)"
+    state = slurm.job_state(job)
+    if state.split()[0] not in slurm.ACTIVE and state != "unknown":
+        slurm.settle(job, state)
+    return f"job {job.job_id}: {state}"
+
+
 def run_status(run_dir: Path) -> str:
+    job = slurm_state(run_dir)
     row = summary.run_row(run_dir)
     max_steps = summary.run_config(run_dir)["trainer"]["max_steps"]
-    lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {max_steps}"]
+    steps = row["steps"] or _logged_steps(run_dir)
+    lines = [f"run {run_dir}: {row['status']}, step {steps} of {max_steps}"]
+    if job:
+        lines.append(f"  slurm            {job}")
     for name in ("train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"):
         if row[name] != "":
             lines.append(f"  {name:16} {summary._fmt(row[name])}")

@@ -258,13 +258,18 @@ def run_all(points: list[Point], todo: list[Point], sweep_dir: Path, n_jobs: int
                 except Exception as err:  # recorded in its result.json; the sweep goes on, unless stopped
                     if getattr(err, "exit_code", 1) >= 128:  # its workers were stopped by a signal
                         raise KeyboardInterrupt from err
-                _report(point)
+                report(point)
                 summary.write(sweep_dir)
         else:
             _run_parallel(todo, sweep_dir, n_jobs)
     except KeyboardInterrupt:
         summary.write(sweep_dir)
         raise SweepFailed([f"sweep interrupted; continue it with run_dir={sweep_dir} resume=auto"], 130) from None
+    finish(points, sweep_dir)
+
+
+def finish(points: list[Point], sweep_dir: Path) -> None:
+    """The sweep's outcome: SweepFailed with one line per point that did not complete."""
     failed = []
     for point in points:
         result = _result(point.path)
@@ -289,7 +294,7 @@ def _run_parallel(todo: list[Point], sweep_dir: Path, n_jobs: int) -> None:
             for proc in [p for p in running if p.poll() is not None]:
                 point, slot = running.pop(proc)
                 free.append(slot)
-                _report(point)
+                report(point)
                 summary.write(sweep_dir)
     except KeyboardInterrupt:
         for proc, (point, _) in running.items():
@@ -305,7 +310,7 @@ def _result(path: Path) -> dict:
         return {}
 
 
-def _report(point: Point) -> None:
+def report(point: Point) -> None:
     result = _result(point.path)
     if result.get("status") == "completed":
         log.info("point %d completed: val loss %.4f (%s)", point.num, result["val_loss"], point.label)

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 import warnings
@@ -275,6 +276,9 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         result["fsdp_units"] = fsdp_units(c.model)
     if world > 1:
         result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        hosts = [None] * world  # each rank's machine: a multi-node run shows its nodes
+        torch.distributed.all_gather_object(hosts, socket.gethostname())
+        result["hosts"] = hosts
     return result
 
 

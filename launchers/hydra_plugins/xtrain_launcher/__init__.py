@@ -1,1 +1,1 @@
-"""xtrain's Hydra launchers: `hydra/launcher=xtrain` (local sweeps; xtrain's default)."""
+"""xtrain's Hydra launchers: `hydra/launcher=xtrain` (local sweeps; xtrain's default) and `xtrain_slurm`."""

@@ -1,54 +1,144 @@
-"""`hydra/launcher=xtrain`: a multirun sweep as xtrain runs it (`xtrain.sweep`).
+"""`hydra/launcher=xtrain` (local; xtrain's default) and `hydra/launcher=xtrain_slurm` (one SLURM job array).
 
-Every point is composed and validated before the first one runs; failures are recorded and
-the sweep goes on; the sweep dir gets its summary after every point. The heavy lifting is in
-`xtrain.sweep`; this class only connects it to Hydra.
+For xtrain's own runs both hand the points to `xtrain.sweep`: every point is composed and
+validated and its run dir written before the first one runs or is queued; failures are recorded
+and the sweep goes on; the sweep dir gets its summary after every point. They differ only in
+where a point runs. Any other Hydra app under `xtrain_slurm` runs as hydra-submitit-launcher
+runs it: each job on one node, through submitit.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from hydra.core.utils import JobReturn, JobStatus, configure_log
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 
-class LocalLauncher(Launcher):
-    def __init__(self, n_jobs: int = 1) -> None:
-        self.n_jobs = n_jobs
-        self.config: Optional[DictConfig] = None
-        self.hydra_context: Optional[HydraContext] = None
-
+class _XtrainLauncher(Launcher):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config = config
         self.hydra_context = hydra_context
+        self.task_function = task_function
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
-        from xtrain import sweep
+        if self.runs_xtrain:
+            from xtrain import sweep
 
-        sweep.note_sweep_dir(self.sweep_dir)
+            sweep.note_sweep_dir(self.sweep_dir)
+
+    @property
+    def runs_xtrain(self) -> bool:
+        return getattr(self.task_function, "__module__", None) == "xtrain.cli"
 
     def compose(self, overrides: list[str]) -> dict:
         """One point's run config (the `hydra` node removed), as a plain container."""
-        assert self.hydra_context is not None and self.config is not None
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(sweep_config):
             del sweep_config["hydra"]
         return OmegaConf.to_container(sweep_config, resolve=True)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from xtrain import hardware, sweep
+        from xtrain import sweep
 
-        assert self.config is not None
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
-        sweep_dir = self.sweep_dir
         overrides = [list(o) for o in job_overrides]
-        points = sweep.plan_points(overrides, self.compose, sweep_dir, initial_job_idx)
-        sweep.check_parallel(points, self.n_jobs, hardware.visible_gpus())
-        todo = sweep.prepare_all(points, sweep_dir)
-        sweep.run_all(points, todo, sweep_dir, self.n_jobs)  # raises SweepFailed if any point failed
+        points = sweep.plan_points(overrides, self.compose, self.sweep_dir, initial_job_idx)
+        self.check_points(points)
+        todo = sweep.prepare_all(points, self.sweep_dir)
+        self.run_points(points, todo)  # raises SweepFailed if any point failed
         return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
                           status=JobStatus.COMPLETED, _return_value=sweep.final_val_loss(p.path))
                 for o, p in zip(overrides, points)]
+
+    def check_points(self, points: list) -> None:
+        raise NotImplementedError
+
+    def run_points(self, points: list, todo: list) -> None:
+        raise NotImplementedError
+
+
+class LocalLauncher(_XtrainLauncher):
+    def __init__(self, n_jobs: int = 1) -> None:
+        self.n_jobs = n_jobs
+
+    def check_points(self, points: list) -> None:
+        from xtrain import hardware, sweep
+        from xtrain.config import ClusterKind, ConfigError
+
+        for point in points:
+            if point.cfg.cluster.kind is ClusterKind.slurm:
+                raise ConfigError(f"point {point.num} ({point.label}): cluster.kind=slurm under hydra/launcher=xtrain, "
+                                  "which runs points here; use cluster=slurm (it selects hydra/launcher=xtrain_slurm)")
+        sweep.check_parallel(points, self.n_jobs, hardware.visible_gpus())
+
+    def run_points(self, points: list, todo: list) -> None:
+        from xtrain import sweep
+
+        sweep.run_all(points, todo, self.sweep_dir, self.n_jobs)
+
+
+class SlurmLauncher(_XtrainLauncher):
+    def __init__(self, array_parallelism: int = 256) -> None:
+        self.array_parallelism = array_parallelism
+
+    def check_points(self, points: list) -> None:
+        from xtrain.config import ClusterKind, ConfigError
+
+        if self.array_parallelism < 1:
+            raise ConfigError(f"hydra.launcher.array_parallelism={self.array_parallelism}: must be >= 1")
+        for point in points:
+            if point.cfg.cluster.kind is not ClusterKind.slurm:
+                raise ConfigError(f"point {point.num} ({point.label}): cluster.kind={point.cfg.cluster.kind.value} "
+                                  "under hydra/launcher=xtrain_slurm, which submits to SLURM; use cluster=slurm")
+
+    def run_points(self, points: list, todo: list) -> None:
+        from xtrain import slurm
+
+        slurm.run_sweep(points, todo, self.sweep_dir, self.array_parallelism)
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        if self.runs_xtrain:
+            return super().launch(job_overrides, initial_job_idx)
+        return self._launch_hydra_app(job_overrides, initial_job_idx)
+
+    def _launch_hydra_app(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        """Any other Hydra app: each job runs its task function on one node (a job array), like
+        hydra-submitit-launcher; the job's outcome comes back through submitit's result files."""
+        import logging
+
+        from xtrain import slurm
+
+        log = logging.getLogger(__name__)
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        params = {"job_name": str(self.config.hydra.job.name), "nodes": 1, "ntasks_per_node": 1,
+                  "array_parallelism": self.array_parallelism, "stderr_to_stdout": True}
+        args = []
+        for idx, overrides in enumerate(job_overrides, initial_job_idx):
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            args.append((list(overrides), idx, Singleton.get_state()))
+        executor = slurm.executor(self.sweep_dir / slurm.LOGS, params)
+        jobs = executor.map_array(_HydraJob(self.hydra_context, self.task_function, self.config), *zip(*args))
+        return [job.results()[0] for job in jobs]
+
+
+class _HydraJob:
+    """One job of a plain Hydra app, on a node (pickled by submitit)."""
+
+    def __init__(self, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.hydra_context, self.task_function, self.config = hydra_context, task_function, config
+
+    def __call__(self, overrides: list[str], job_num: int, singleton_state: dict[Any, Any]) -> JobReturn:
+        import submitit
+
+        Singleton.set_state(singleton_state)
+        setup_globals()
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(sweep_config.hydra.job) as job:
+            job.id = submitit.JobEnvironment().job_id
+            job.num = job_num
+        return run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=sweep_config,
+                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
