@@ -6,7 +6,6 @@ For a run dir: its status, steps, losses and throughput. Works on a running or k
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -22,20 +21,6 @@ def table_text(table: list[dict], columns: list[str]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
-
-
-def _logged_steps(run_dir: Path) -> int:
-    """The newest step in metrics.jsonl (a run still training has no result figures yet)."""
-    try:
-        lines = (run_dir / rundir.METRICS).read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return json.loads(line).get("step", 0)
-        except json.JSONDecodeError:  # a line being written
-            continue
-    return 0
 
 
 def sweep_status(sweep_dir: Path) -> str:
@@ -79,8 +64,7 @@ def run_status(run_dir: Path) -> str:
     job = slurm_state(run_dir)
     row = summary.run_row(run_dir)
     max_steps = summary.run_config(run_dir)["trainer"]["max_steps"]
-    steps = row["steps"] or _logged_steps(run_dir)
-    lines = [f"run {run_dir}: {row['status']}, step {steps} of {max_steps}"]
+    lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {max_steps}"]
     if job:
         lines.append(f"  slurm            {job}")
     for name in ("train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"):

@@ -55,12 +55,30 @@ def run_config(path: Path) -> dict:
     return yaml.safe_load(file.read_text()) if file.exists() else {}
 
 
+def latest_train_row(path: Path) -> tuple:
+    """(step, train loss) of the newest training row in metrics.jsonl; ("", "") before the first."""
+    try:
+        lines = (path / rundir.METRICS).read_text().splitlines()
+    except FileNotFoundError:
+        return "", ""
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "train/loss" in row:
+            return row["step"], row["train/loss"]
+    return "", ""
+
+
 def run_row(path: Path) -> dict:
     """One run dir's figures (status `pending` where it has not started)."""
     result = _read_json(path / rundir.RESULT)
     cfg = run_config(path)
     row = {column: result.get(column, "") for column in COLUMNS}
     row["status"] = result.get("status", "pending")
+    if row["status"] == "running":  # its progress so far
+        row["steps"], row["train_loss"] = latest_train_row(path)
     if cfg:
         world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
         sequences = cfg["trainer"]["batch_size"] * cfg["trainer"]["grad_accum"] * world

@@ -1,0 +1,100 @@
+"""What SLURM costs on the test cluster (tests/slurm/: 2 nodes on this machine), against running here.
+
+1. Submit-to-first-step latency: from starting `python -m xtrain ...` to the first training step
+   logged in metrics.jsonl, for `cluster=slurm` on 1 node and on 2 nodes (1 process each), and the
+   same runs launched locally (1 process; 2 processes).
+2. A 4-point sweep: its wall time as one job array (`cluster=slurm`, 2 points at a time, each with a
+   node's 2 cores) against the same sweep run locally, one point after another.
+
+Starts the test cluster if none is running (as root), and stops what it started.
+
+    python benchmarks/slurm.py [--repeats 3] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "slurm"
+
+
+def first_step_latency(run_dir: Path, *overrides: str) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", f"run_dir={run_dir}", "trainer.max_steps=3",
+                             "trainer.log_every=1", "trainer.eval_every=3", "trainer.save_every=3", *overrides],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    while True:
+        if metrics.exists() and any("train/loss" in json.loads(line) for line in metrics.read_text().splitlines()
+                                    if line.strip()):
+            latency = time.perf_counter() - start
+            break
+        if proc.poll() is not None:
+            raise SystemExit(f"run {run_dir} ended (exit {proc.returncode}) before its first step")
+        time.sleep(0.05)
+    if proc.wait() != 0:
+        raise SystemExit(f"run {run_dir} failed")
+    return latency
+
+
+def sweep_wall(sweep_dir: Path, steps: int, *overrides: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "xtrain", "-m", f"run_dir={sweep_dir}", "trainer.seed=1,2,3,4",
+                    f"trainer.max_steps={steps}", f"trainer.log_every={steps}", f"trainer.eval_every={steps}",
+                    f"trainer.save_every={steps}", *overrides], check=True, capture_output=True, cwd=REPO)
+    return time.perf_counter() - start
+
+
+def cluster_running() -> bool:
+    return subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    started = False
+    try:
+        if not cluster_running():
+            subprocess.run(["bash", str(SCRIPTS / "start_slurm.sh")], check=True, capture_output=True)
+            started = True
+        slurm = ["cluster=slurm", "cluster.time_limit=10"]
+        cases = {
+            "local, 1 process": [],
+            "slurm, 1 node": slurm,
+            "local, 2 processes": ["cluster.num_processes=2"],
+            "slurm, 2 nodes x 1 process": [*slurm, "cluster.nodes=2"],
+        }
+        latency: dict[str, list[float]] = {name: [] for name in cases}
+        local_sweep, array_sweep = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            first_step_latency(Path(tmp, "warm-cache"))  # tokenizer and data cache, not part of the measurement
+            for i in range(args.repeats):
+                for name, overrides in cases.items():
+                    latency[name].append(first_step_latency(Path(tmp, f"{i}-{name.replace(' ', '_')}"), *overrides))
+                local_sweep.append(sweep_wall(Path(tmp, f"sweep-local-{i}"), args.steps))
+                array_sweep.append(sweep_wall(Path(tmp, f"sweep-slurm-{i}"), args.steps, *slurm,
+                                              "cluster.cpus_per_task=2", "hydra.launcher.array_parallelism=2"))
+        print(f"medians of {args.repeats}; test cluster: 2 nodes on one 2-core machine")
+        print("submit-to-first-step latency:")
+        for name, values in latency.items():
+            print(f"  {name:28} {statistics.median(values):6.2f} s")
+        lo, sl = statistics.median(local_sweep), statistics.median(array_sweep)
+        print(f"4-point sweep ({args.steps} steps a point): local one at a time {lo:.1f} s, "
+              f"SLURM job array 2 at a time {sl:.1f} s ({sl / lo:.2f}x)")
+    finally:
+        if started:
+            subprocess.run(["bash", str(SCRIPTS / "stop_slurm.sh")], capture_output=True)
+
+
+if __name__ == "__main__":
+    main()
