@@ -29,3 +29,4 @@ bench: setup
 	$(BIN)/python benchmarks/launch.py
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/sweep.py
+	$(BIN)/python benchmarks/slurm.py

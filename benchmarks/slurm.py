@@ -79,8 +79,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             first_step_latency(Path(tmp, "warm-cache"))  # tokenizer and data cache, not part of the measurement
             for i in range(args.repeats):
-                for name, overrides in cases.items():
-                    latency[name].append(first_step_latency(Path(tmp, f"{i}-{name.replace(' ', '_')}"), *overrides))
+                for case, (name, overrides) in enumerate(cases.items()):
+                    latency[name].append(first_step_latency(Path(tmp, f"{i}-{case}"), *overrides))
                 local_sweep.append(sweep_wall(Path(tmp, f"sweep-local-{i}"), args.steps))
                 array_sweep.append(sweep_wall(Path(tmp, f"sweep-slurm-{i}"), args.steps, *slurm,
                                               "cluster.cpus_per_task=2", "hydra.launcher.array_parallelism=2"))
