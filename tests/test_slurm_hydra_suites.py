@@ -30,6 +30,15 @@ def test_discovery():
     assert "'LocalLauncher', 'SlurmLauncher'" in out
 
 
+@pytest.fixture(autouse=True)
+def no_version_base(hydra_restore_singletons):
+    """The suites' apps leave Hydra's version base unset (1.1 behaviour: each job runs in its own dir). Tests
+    before these imported xtrain.cli in this process, which set it to 1.3; hydra_restore_singletons puts it back."""
+    from hydra.version import _UNSPECIFIED_, VersionBase
+
+    VersionBase.instance().version_base = _UNSPECIFIED_
+
+
 @pytest.mark.parametrize("launcher_name, overrides", [("xtrain_slurm", [])])
 class TestSlurmLauncher(LauncherTestSuite):
     pass

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_xtrain
+from conftest import REPO, read_metrics, run_xtrain
+from test_resume import kill_after_checkpoint
 
 RUN = ["trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4", "trainer.save_every=8"]
 
@@ -53,11 +57,8 @@ def wandb_records(path: Path):
             yield record
 
 
-def test_wandb_runs_offline_without_an_account(tmp_path):
-    run_dir = tmp_path / "run"
-    # no API key, no ~/.netrc: auto mode must go offline and keep its files in the run dir
-    run_xtrain(f"run_dir={run_dir}", "tracker=wandb", *RUN, env={"HOME": str(tmp_path / "home")})
-    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+def wandb_history(log: Path) -> tuple[list[dict], dict]:
+    """An offline W&B run's logged rows and config, from its .wandb file."""
     history, config = [], {}
     for record in wandb_records(log):
         kind = record.WhichOneof("record_type")
@@ -66,9 +67,37 @@ def test_wandb_runs_offline_without_an_account(tmp_path):
                             for item in record.history.item})
         elif kind == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    return history, config
+
+
+def test_wandb_runs_offline_without_an_account(tmp_path):
+    run_dir = tmp_path / "run"
+    # no API key, no ~/.netrc: auto mode must go offline and keep its files in the run dir
+    run_xtrain(f"run_dir={run_dir}", "tracker=wandb", *RUN, env={"HOME": str(tmp_path / "home")})
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history, config = wandb_history(log)
     logged = {(int(row["_step"]), key): value for row in history for key, value in row.items()}
     for row in read_metrics(run_dir):
         for key, value in row.items():
             if key != "step":
                 assert logged[(row["step"], key)] == value, (row["step"], key)
     assert config["trainer/batch_size"] == 16 and config["model/arch"] == "gpt2"
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    """Killed after its step-6 checkpoint and resumed: one W&B run id throughout (kept in the run dir), the
+    resumed part logging from step 7 on."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "HOME": str(tmp_path / "home")}
+    args = [f"run_dir={run_dir}", "tracker=wandb", "trainer.max_steps=12", "trainer.log_every=1",
+            "trainer.eval_every=6", "trainer.save_every=6"]
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after_checkpoint(proc, run_dir / "checkpoints" / "step_00000006")
+    run_xtrain(*args, "resume=auto", env={"HOME": str(tmp_path / "home")})
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    (log,) = runs[1].glob("run-*.wandb")
+    resumed = sorted({int(row["_step"]) for row in wandb_history(log)[0] if "train/loss" in row})
+    assert resumed == list(range(7, 13))

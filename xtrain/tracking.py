@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
 from xtrain.config import RunConfig, TrackerKind
+from xtrain.files import write_atomic
 from xtrain.run_dir import METRICS
 
 TENSORBOARD_DIR = "tensorboard"
+WANDB_ID = "wandb_id"
 
 
 class JsonlTracker(GeneralTracker):
@@ -63,7 +66,19 @@ def log_with(cfg: RunConfig, run_dir: Path) -> list:
     return trackers
 
 
-def init_kwargs(cfg: RunConfig, run_dir: Path) -> dict:
-    if cfg.tracker.kind is TrackerKind.wandb:
-        return {"wandb": {"dir": str(run_dir), "mode": wandb_mode(cfg.tracker.wandb_mode), "name": run_dir.name}}
+def wandb_run_id(run_dir: Path) -> str:
+    """The W&B run this run dir logs to, chosen once and kept in the run dir: a resumed run continues it."""
+    path = run_dir / WANDB_ID
+    if path.exists():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(4)  # W&B run ids: lowercase letters and digits
+    write_atomic(path, run_id + "\n")
+    return run_id
+
+
+def init_kwargs(cfg: RunConfig, run_dir: Path, main_process: bool) -> dict:
+    """Tracker settings for `init_trackers` (which starts trackers on the main process only)."""
+    if cfg.tracker.kind is TrackerKind.wandb and main_process:
+        return {"wandb": {"dir": str(run_dir), "mode": wandb_mode(cfg.tracker.wandb_mode), "name": run_dir.name,
+                          "id": wandb_run_id(run_dir), "resume": "allow"}}
     return {}

@@ -303,9 +303,8 @@ def train(run_dir: str | Path) -> dict:
     model, scheduler = c.model, c.scheduler
 
     start_step, tokens_seen, skipped = restore(accelerator, resume_from, run_dir)
-    accelerator.init_trackers(
-        cfg.tracker.project, config=_flat(config.to_container(cfg)), init_kwargs=tracking.init_kwargs(cfg, run_dir)
-    )
+    accelerator.init_trackers(cfg.tracker.project, config=_flat(config.to_container(cfg)),
+                              init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process))
     world = accelerator.num_processes
     tokens_per_step = t.batch_size * t.grad_accum * cfg.data.block_size * world
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
