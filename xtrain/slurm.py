@@ -187,6 +187,7 @@ def submit(groups: list[tuple[dict, list[Path]]], folder: Path) -> list[Job]:
             with contextlib.redirect_stderr(io.StringIO()):  # submitit repeats sbatch's complaint there
                 submitted = executor(folder, params).map_array(run_node, [str(p) for p in paths])
         except (FailedJobError, subprocess.CalledProcessError) as err:
+            cancel(jobs)  # a sweep's earlier arrays: all of it is queued, or none
             raise _sbatch_refusal(err) from None
         for job, path in zip(submitted, paths):
             out = Job(job.job_id, path, folder / f"{job.job_id}_0_log.out")
@@ -387,6 +388,8 @@ def _echo_new_lines(path: Path, offset: int) -> int:
 def cancel(jobs: list[Job]) -> None:
     """scancel, then wait (a little) until SLURM has ended them."""
     ids = [j.job_id for j in jobs]
+    if not ids:
+        return
     subprocess.run(["scancel", *ids], capture_output=True)
     deadline = time.time() + 30
     while live_states(ids) and time.time() < deadline:
