@@ -236,3 +236,17 @@ def test_container_image_goes_on_the_srun_line(tmp_path):
     assert srun == (f"srun --unbuffered --output {logs}/%j_%t_log.out --kill-on-bad-exit=1 "
                     "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/data:/data "
                     f"--cpu-bind=none {sys.executable} -u -m submitit.core._submit {logs}")
+
+
+def test_status_of_a_sweep_that_was_not_waited_for(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    run_xtrain("-m", f"run_dir={sweep_dir}", *SLURM, "cluster.wait=false", "trainer.seed=1,2", *TINY)
+    jobs = [job_id(p) for p in sorted(sweep_dir.glob("[0-9]_*"))]
+    status = [sys.executable, "-m", "xtrain.status", str(sweep_dir)]
+    for job in jobs:
+        sacct_state(job)
+    out = subprocess.run(status, capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in out.splitlines()[1:3]]
+    assert [r[:3] for r in rows] == [["0_seed=1", "1", "completed"], ["1_seed=2", "2", "completed"]]
+    assert [r[-3:] for r in rows] == [["job", f"{job}:", "COMPLETED"] for job in jobs]
+    assert [r["status"] for r in sweep_rows(sweep_dir)] == ["completed", "completed"]  # collected into the summary
