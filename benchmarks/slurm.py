@@ -5,10 +5,15 @@
    same runs launched locally (1 process; 2 processes).
 2. A 4-point sweep: its wall time as one job array (`cluster=slurm`, 2 points at a time, each with a
    node's 2 cores) against the same sweep run locally, one point after another.
+3. The cost of a stop, on a 1-node 2-process job (checkpoints every 5 steps), stopped after step 12:
+   with warning (`scancel --signal=USR2`: checkpoint at the step boundary, the job requeues itself) and
+   without (`scontrol requeue`: back to the newest periodic checkpoint). Steps lost (trained again) and
+   the time from the signal to the requeued job's first step. The test cluster holds a requeued job for
+   10 s (cred_expire=10, its minimum is 5; SLURM's default is 120 s): that is part of the figure.
 
 Starts the test cluster if none is running (as root), and stops what it started.
 
-    python benchmarks/slurm.py [--repeats 3] [--steps 20]
+    python benchmarks/slurm.py [--repeats 3] [--steps 20] [--parts latency,sweep,stops]
 """
 
 from __future__ import annotations
@@ -53,6 +58,28 @@ def sweep_wall(sweep_dir: Path, steps: int, *overrides: str) -> float:
     return time.perf_counter() - start
 
 
+def stop_cost(run_dir: Path, command: list[str]) -> tuple[int, float]:
+    """(steps lost, seconds from the stop command to the requeued job's first step)."""
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", f"run_dir={run_dir}", "cluster=slurm",
+                             "cluster.time_limit=10", "cluster.num_processes=2", "trainer.max_steps=40",
+                             "trainer.log_every=1", "trainer.eval_every=20", "trainer.save_every=5",
+                             "trainer.batch_size=4"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.exists() and any(json.loads(line)["step"] >= 12 for line in metrics.read_text().splitlines()
+                                        if line.strip())):
+        if proc.poll() is not None:
+            raise SystemExit(f"run {run_dir} ended (exit {proc.returncode}) before step 12")
+        time.sleep(0.05)
+    job = json.loads((run_dir / "slurm.json").read_text())["job_id"]
+    sent = time.time()
+    subprocess.run([*command, job], check=True)
+    if proc.wait() != 0:
+        raise SystemExit(f"run {run_dir} failed")
+    result = json.loads((run_dir / "result.json").read_text())
+    [restart] = result["restarts"]
+    return restart["steps_lost"], result["first_step_at"] - sent
+
+
 def cluster_running() -> bool:
     return subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0
 
@@ -61,7 +88,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--parts", default="latency,sweep,stops")
     args = parser.parse_args()
+    parts = args.parts.split(",")
     started = False
     try:
         if not cluster_running():
@@ -76,21 +105,37 @@ def main() -> None:
         }
         latency: dict[str, list[float]] = {name: [] for name in cases}
         local_sweep, array_sweep = [], []
+        stops = {"with warning (scancel --signal=USR2)": ["scancel", "--signal=USR2"],
+                 "without warning (scontrol requeue)": ["scontrol", "requeue"]}
+        stop_costs: dict[str, list[tuple[int, float]]] = {name: [] for name in stops}
         with tempfile.TemporaryDirectory() as tmp:
             first_step_latency(Path(tmp, "warm-cache"))  # tokenizer and data cache, not part of the measurement
             for i in range(args.repeats):
-                for case, (name, overrides) in enumerate(cases.items()):
-                    latency[name].append(first_step_latency(Path(tmp, f"{i}-{case}"), *overrides))
-                local_sweep.append(sweep_wall(Path(tmp, f"sweep-local-{i}"), args.steps))
-                array_sweep.append(sweep_wall(Path(tmp, f"sweep-slurm-{i}"), args.steps, *slurm,
-                                              "cluster.cpus_per_task=2", "hydra.launcher.array_parallelism=2"))
+                if "latency" in parts:
+                    for case, (name, overrides) in enumerate(cases.items()):
+                        latency[name].append(first_step_latency(Path(tmp, f"{i}-{case}"), *overrides))
+                if "sweep" in parts:
+                    local_sweep.append(sweep_wall(Path(tmp, f"sweep-local-{i}"), args.steps))
+                    array_sweep.append(sweep_wall(Path(tmp, f"sweep-slurm-{i}"), args.steps, *slurm,
+                                                  "cluster.cpus_per_task=2", "hydra.launcher.array_parallelism=2"))
+                if "stops" in parts:
+                    for case, (name, command) in enumerate(stops.items()):
+                        stop_costs[name].append(stop_cost(Path(tmp, f"stop-{i}-{case}"), command))
         print(f"medians of {args.repeats}; test cluster: 2 nodes on one 2-core machine")
-        print("submit-to-first-step latency:")
-        for name, values in latency.items():
-            print(f"  {name:28} {statistics.median(values):6.2f} s")
-        lo, sl = statistics.median(local_sweep), statistics.median(array_sweep)
-        print(f"4-point sweep ({args.steps} steps a point): local one at a time {lo:.1f} s, "
-              f"SLURM job array 2 at a time {sl:.1f} s ({sl / lo:.2f}x)")
+        if "latency" in parts:
+            print("submit-to-first-step latency:")
+            for name, values in latency.items():
+                print(f"  {name:28} {statistics.median(values):6.2f} s")
+        if "sweep" in parts:
+            lo, sl = statistics.median(local_sweep), statistics.median(array_sweep)
+            print(f"4-point sweep ({args.steps} steps a point): local one at a time {lo:.1f} s, "
+                  f"SLURM job array 2 at a time {sl:.1f} s ({sl / lo:.2f}x)")
+        if "stops" in parts:
+            print("a stop after step 12 of a 1-node 2-process job (checkpoint every 5 steps):")
+            for name, values in stop_costs.items():
+                lost = statistics.median(v[0] for v in values)
+                down = statistics.median(v[1] for v in values)
+                print(f"  {name:38} steps lost {lost:4.1f} | signal to the requeued job's first step {down:5.1f} s")
     finally:
         if started:
             subprocess.run(["bash", str(SCRIPTS / "stop_slurm.sh")], capture_output=True)

@@ -27,7 +27,8 @@ precision.name precision.fp8_backend
 cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
 cluster.timeout_s cluster.gpu_memory_gb cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
-cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.wait
+cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.wait cluster.signal_lead_s
+cluster.max_requeues
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
 trainer.log_every trainer.seed

@@ -222,6 +222,7 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     assert "topology     2 node(s) x 1 process(es)" in proc.stdout
     assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --ntasks-per-node=1" in proc.stdout
     assert "#SBATCH --mail-type=END" in proc.stdout and "module load cuda" in proc.stdout
+    assert "#SBATCH --signal=USR2@120" in proc.stdout and "#SBATCH --requeue" in proc.stdout
     assert "srun --unbuffered" in proc.stdout and "--kill-on-bad-exit=1" in proc.stdout
     assert not run_dir.exists()
 

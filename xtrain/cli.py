@@ -25,6 +25,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandat
 from xtrain import config
 from xtrain.config import ConfigError, Diverged, RunConfig, SweepFailed
 from xtrain.multiprocess import LaunchFailed
+from xtrain.stopping import Stopped
 
 GROUP_SCHEMAS = {
     "model": config.ModelConfig,
@@ -106,6 +107,9 @@ def hydra_main(cfg: DictConfig):
         fail(str(err))
     except LaunchFailed as err:
         print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except Stopped as err:  # on request, at a step boundary, with a checkpoint: not an error
+        print(f"xtrain: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except Diverged as err:
         print(f"xtrain: error: {err}", file=sys.stderr)

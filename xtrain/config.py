@@ -277,6 +277,13 @@ class ClusterConfig:
     """pyxis --container-mounts, e.g. /data:/data,/scratch:/scratch (the run dir must be visible inside)."""
     wait: bool = True
     """Follow the submitted job to its end (states, rank 0's log); false: return after submitting."""
+    signal_lead_s: int = 120
+    """SLURM warns the job this long before its time limit (and on preemption, where the cluster sends
+    it): every rank finishes its step, a checkpoint is written, the job requeues itself. Leave time for
+    a step and a checkpoint."""
+    max_requeues: int = 10
+    """Restarts a job may have; a stop signal after that many ends the run `interrupted`, with its
+    checkpoint, for `resume=auto` by hand."""
 
     def __post_init__(self) -> None:
         _positive("cluster.nodes", self.nodes)
@@ -285,7 +292,14 @@ class ClusterConfig:
         for name in ("cpus_per_task", "mem_gb"):
             if getattr(self, name) is not None:
                 _positive(f"cluster.{name}", getattr(self, name))
-        time_limit_minutes(self.time_limit)
+        minutes = time_limit_minutes(self.time_limit)
+        _positive("cluster.signal_lead_s", self.signal_lead_s)
+        _non_negative("cluster.max_requeues", self.max_requeues)
+        if self.kind is ClusterKind.slurm and self.signal_lead_s >= minutes * 60:
+            raise ConfigError(
+                f"cluster.signal_lead_s={self.signal_lead_s}: the warning would come before the job starts "
+                f"(cluster.time_limit={self.time_limit} is {minutes * 60} s); use a smaller lead or a longer limit"
+            )
         if not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
         if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
 import yaml
 
-from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir
+from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir, stopping
 from xtrain.config import ClusterKind, ConfigError, ModelSource, Offload, RunConfig, Strategy
 from xtrain.files import write_atomic
 
@@ -125,22 +126,32 @@ def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
 
 
 def run(cfg: RunConfig, path: Path) -> dict:
-    """Train the prepared run dir: in this process, or N workers under torchrun."""
+    """Train the prepared run dir: in this process, or N workers under torchrun. A run stopped on request
+    (SIGTERM, SIGUSR1/2) at a step boundary raises `stopping.Stopped`."""
     log.info("run dir: %s", path)
     # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
     # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
     if cfg.cluster.world_size == 1 and cfg.strategy.name is Strategy.ddp:
         from xtrain.trainer import train
 
-        return train(path)
-    from xtrain import multiprocess
+        with stopping.on(stopping.GRACEFUL):
+            result = train(path)
+    else:
+        from xtrain import multiprocess
 
-    log.info(
-        "launching %d x %d processes (node %d), %d CPU threads each",
-        cfg.cluster.nodes, cfg.cluster.processes_per_node, cfg.cluster.node_rank,
-        multiprocess.threads_per_process(cfg.cluster.processes_per_node),
-    )
-    return multiprocess.run(cfg, path)
+        log.info(
+            "launching %d x %d processes (node %d), %d CPU threads each",
+            cfg.cluster.nodes, cfg.cluster.processes_per_node, cfg.cluster.node_rank,
+            multiprocess.threads_per_process(cfg.cluster.processes_per_node),
+        )
+        result = multiprocess.run(cfg, path)
+    stop = result.get("stop") if result.get("status") == "interrupted" else None
+    if stop:
+        raise stopping.Stopped(
+            f"stopped by {stop['signal']} at step {stop['step']} with a checkpoint; to continue, run the same command with "
+            f"run_dir={path} resume=auto", getattr(signal.Signals, stop["signal"], signal.SIGTERM),
+        )
+    return result
 
 
 def run_recorded(cfg: RunConfig, path: Path) -> dict:
@@ -162,9 +173,9 @@ def one_line(err: BaseException) -> str:
 
 def main() -> None:
     """`python -m xtrain.launch RUN_DIR`: train a run dir that was prepared already (a sweep's point in a
-    process of its own). Exit 0 done, 1 failed, 2 a config error, 130 interrupted."""
+    process of its own). Exit 0 done, 1 failed, 2 a config error, 130 interrupted, 128+N stopped by signal N
+    at a step boundary (resumable)."""
     import logging.config
-    import signal
     import sys
     from importlib.resources import files
 
@@ -181,6 +192,9 @@ def main() -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    except stopping.Stopped as err:
+        print(f"xtrain: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     except Exception as err:
         print(f"xtrain: error: {one_line(err)}", file=sys.stderr)
         sys.exit(getattr(err, "exit_code", 1))

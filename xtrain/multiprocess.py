@@ -3,8 +3,9 @@
 The driver has written the run dir; torchrun starts `python -m xtrain.worker RUN_DIR` per
 local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to
 `logs/launcher-node<R>.log`. If a worker fails, torchrun stops the others and the driver
-shows the failing rank's own error first. SIGINT / SIGTERM to the driver stop the whole
-process tree (torchrun first, then anything left, by force after a grace period).
+shows the failing rank's own error first. SIGINT to the driver stops the whole process tree
+(torchrun first, then anything left, by force after a grace period); SIGTERM / SIGUSR1 / SIGUSR2
+ask the workers to stop at a step boundary with a checkpoint (xtrain/stopping.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from xtrain import run_dir as rundir
+from xtrain import run_dir as rundir, stopping
 from xtrain.config import ConfigError, RunConfig
 from xtrain.worker import ERRORS_DIR
 
@@ -113,7 +114,11 @@ def first_error(run_dir: Path) -> dict | None:
 
 
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict) -> int:
-    """Run the workers under torchrun; return its exit code, or -signum if SIGINT/SIGTERM stopped them."""
+    """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
+
+    SIGINT stops the whole tree at once. SIGTERM, SIGUSR1 and SIGUSR2 ask the workers to stop at the next
+    step boundary with a checkpoint (SIGUSR1 to each, repeated until they end: one that is still starting
+    gets it once it listens); a second one stops the tree at once."""
     port = topology.main_process_port or free_port()
     for stale in (workdir / ERRORS_DIR).glob("rank*.json"):
         stale.unlink()
@@ -132,32 +137,66 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         proc = subprocess.Popen(
             torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
+            preexec_fn=stopping.ignore_in_child,
         )
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
         for t in pumps:
             t.start()
 
-        def on_signal(signum, frame):
+        def at_once(signum, frame):
             stopped_by.append(signum)
             stop_tree(proc)
 
-        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        def at_step_boundary(signum, frame):
+            if stopping.requested():
+                at_once(signum, frame)
+            else:
+                stopping.request(signum)
+                _signal_workers(proc, signal.SIGUSR1)
+                log_file.write(f"xtrain: {signal.Signals(signum).name}: asking the workers to stop at a step boundary\n")
+
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, at_once)}
+        previous.update({s: signal.signal(s, at_step_boundary) for s in stopping.GRACEFUL})
         try:
-            code = proc.wait()
+            while True:
+                try:
+                    code = proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if stopping.requested() and not stopped_by:  # (asked before they started: under SLURM)
+                        _signal_workers(proc, signal.SIGUSR1)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         for t in pumps:
             t.join(timeout=5)
-    return -stopped_by[0] if stopped_by else code
+    if stopped_by:
+        return -stopped_by[0]
+    asked = stopping.requested()
+    return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
+
+
+def _signal_workers(proc: subprocess.Popen, signum: int) -> None:
+    """torchrun's own children, the workers (not what they start: the signal's default action would end it)."""
+    try:
+        workers = psutil.Process(proc.pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for p in workers:
+        try:
+            p.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:
     """The CLI's multi-process run: workers train from the run dir; failures become LaunchFailed / ConfigError."""
     c = cfg.cluster
     topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
-    code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {})
+    with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
+        code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {})
+        asked = stopping.requested()
     error = first_error(run_dir)
     if code < 0 and error is not None and not error["terminated"]:
         code = 1  # stopped because a rank on another node failed (SLURM ends a job's tasks when one fails)
@@ -177,4 +216,9 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             f"rank {error['rank']} failed: {error['summary']}\n"
             f"all {c.world_size} workers stopped; every rank's output: {run_dir / 'logs'}", 1,
         )
-    return json.loads((run_dir / rundir.RESULT).read_text())
+    result = json.loads((run_dir / rundir.RESULT).read_text())
+    if asked and result.get("stop") and c.node_rank == 0:  # the workers heard SIGUSR1 from us: name the signal
+        result["stop"].update(asked)
+        result["error"] = result["error"].replace("SIGUSR1", asked["signal"], 1)
+        rundir.write_result(run_dir, result)
+    return result

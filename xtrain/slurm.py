@@ -132,7 +132,9 @@ def job_parameters(cfg: RunConfig) -> dict:
     params: dict = {
         "job_name": c.job_name, "nodes": c.nodes, "ntasks_per_node": 1, "time": time_limit_minutes(c.time_limit),
         "setup": list(c.setup), "srun_args": srun_arguments(c), "stderr_to_stdout": True,
-        "additional_parameters": dict(c.sbatch_args),
+        # --signal=USR2@lead: the warning before the time limit; --requeue: SLURM may requeue the job
+        # (scontrol requeue, a node failure), and so may the job itself, after a warning
+        "signal_delay_s": c.signal_lead_s, "additional_parameters": {"requeue": True, **c.sbatch_args},
     }
     for name in ("partition", "account", "qos", "constraint", "exclude", "cpus_per_task"):
         if getattr(c, name) is not None:
@@ -226,13 +228,18 @@ def node_topology(cfg: RunConfig) -> RunConfig:
 
 
 def run_node(run_dir: str) -> dict:
-    """One node's task: its workers train the prepared run dir. Runs in submitit's process on the node."""
+    """One node's task: its workers train the prepared run dir. Runs in submitit's process on the node.
+
+    A stop signal (SLURM's warning before the time limit, `scancel --signal=USR2`) ends training at a step
+    boundary with a checkpoint on every node; node 0 then requeues the job, which resumes in the same run
+    dir (trainer.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
     import logging.config
     from importlib.resources import files
 
     import yaml
 
-    from xtrain import config, hardware, launch
+    from xtrain import config, hardware, launch, stopping
+    from xtrain.multiprocess import LaunchFailed, threads_per_process
 
     logging.config.dictConfig(yaml.safe_load((files("xtrain.conf") / "hydra/job_logging/xtrain.yaml").read_text()))
     logging.getLogger("submitit").propagate = False  # it has a handler of its own
@@ -240,20 +247,62 @@ def run_node(run_dir: str) -> dict:
     cfg = node_topology(config.load(str(path / rundir.RUN_CONFIG)))
     first = cfg.cluster.node_rank == 0
     if first:
-        log.info("job %s on %s; rendezvous %s:%d", os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST"),
-                 cfg.cluster.main_process_ip, cfg.cluster.main_process_port)
-    try:
-        import torch
+        log.info("job %s on %s; rendezvous %s:%d%s", os.environ.get("SLURM_JOB_ID"),
+                 os.environ.get("SLURM_JOB_NODELIST"), cfg.cluster.main_process_ip, cfg.cluster.main_process_port,
+                 f"; restart {restart_count()}" if restart_count() else "")
+    # from here on, submitit's own handlers (requeue at once, with no checkpoint) are replaced
+    with stopping.on(stopping.GRACEFUL):
+        try:
+            import torch
 
-        from xtrain.multiprocess import threads_per_process
+            torch.set_num_threads(threads_per_process(cfg.cluster.processes_per_node))  # the cores SLURM gave
+            hardware.check(cfg)  # this node's own GPUs
+            return (launch.run_recorded if first else launch.run)(cfg, path)
+        except stopping.Stopped:
+            if first:
+                requeue_or_end(cfg, path)
+            return {"status": "stopped"}
+        except LaunchFailed as err:
+            if err.exit_code < 128:
+                raise
+            log.info("%s", err)  # SLURM ended this allocation (scancel, scontrol requeue): no traceback
+            return {"status": "interrupted"}
+        except ConfigError as err:
+            if first:
+                rundir.record_end(path, "failed", str(err))
+            raise
 
-        torch.set_num_threads(threads_per_process(cfg.cluster.processes_per_node))  # the cores SLURM gave the job
-        hardware.check(cfg)  # this node's own GPUs
-        return (launch.run_recorded if first else launch.run)(cfg, path)
-    except ConfigError as err:
-        if first:
-            rundir.record_end(path, "failed", str(err))
-        raise
+
+def restart_count() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+
+
+def requeue_or_end(cfg: RunConfig, path: Path) -> None:
+    """After a stop at a step boundary (every rank has saved): requeue this job, unless it has been
+    restarted `cluster.max_requeues` times already; then the run ends `interrupted`, resumable by hand.
+    After SIGTERM, SLURM's own way of ending a job, what happens next is SLURM's (it may requeue it)."""
+    import signal
+
+    import submitit
+
+    result = json.loads((path / rundir.RESULT).read_text())
+    stop, limit, restarts = result["stop"], cfg.cluster.max_requeues, restart_count()
+    stopped = f"stopped by {stop['signal']} at step {stop['step']} with a checkpoint"
+    if stop["signal"] == "SIGTERM":  # SLURM itself is ending the job (scancel, scontrol requeue, time limit)
+        log.info("%s; SLURM is ending the job", stopped)
+        return
+    if restarts >= limit:
+        result["error"] = (f"{stopped}; not requeued: the job has been restarted {restarts} time(s), "
+                           f"cluster.max_requeues={limit}; continue with run_dir={path} resume=auto")
+        rundir.write_result(path, result)
+        log.info("%s", result["error"])
+        return
+    job_id = submitit.JobEnvironment().job_id  # <array>_<task> for a point of a sweep
+    result.update(status="requeued", error=f"{stopped}; requeued (restart {restarts + 1} of at most {limit})")
+    rundir.write_result(path, result)
+    log.info("%s: requeueing SLURM job %s", stopped, job_id)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM ends this allocation's processes as it requeues
+    _query(["scontrol", "requeue", job_id])
 
 
 # ---------------------------------------------------------------- following jobs from the submitting machine
@@ -308,8 +357,8 @@ def settle(job: Job, state: str) -> dict:
     """A job that ended: its run's result.json says how, even where no rank could write it."""
     path = job.path
     result = json.loads((path / rundir.RESULT).read_text()) if (path / rundir.RESULT).exists() else {}
-    if result.get("status") == "completed" and state == "COMPLETED":
-        return result
+    if state == "COMPLETED" and (result.get("status") == "completed" or result.get("stop")):
+        return result  # done, or stopped on request with a checkpoint and not requeued (cluster.max_requeues)
     status = ENDED_AS.get(state, "failed")
     if status == "completed":  # the job ended well, yet the run has no result: nothing trained
         status = "failed"
@@ -371,6 +420,8 @@ def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | No
 def _echo_new_lines(path: Path, offset: int) -> int:
     """Whole lines added to `path` since `offset`, to this terminal."""
     try:
+        if path.stat().st_size < offset:  # written anew (a requeued job's output, where not appended)
+            offset = 0
         with open(path, "rb") as f:
             f.seek(offset)
             data = f.read()
@@ -430,6 +481,12 @@ def launch(cfg: RunConfig) -> dict:
     if result["status"] == "failed":
         _show_failing_rank(path)
         raise LaunchFailed(f"{result['error']}\nevery rank's output: {path / LOGS}", 1)
+    if result["status"] == "interrupted" and result.get("stop"):  # not requeued: the line says how to continue
+        import signal
+
+        from xtrain.stopping import Stopped
+
+        raise Stopped(result["error"], getattr(signal.Signals, result["stop"]["signal"], signal.SIGTERM))
     raise LaunchFailed(f"{result['error']}; its checkpoints stay: continue with run_dir={path} resume=auto", 1)
 
 

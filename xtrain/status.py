@@ -12,7 +12,7 @@ from pathlib import Path
 
 from xtrain import run_dir as rundir, summary
 
-SHOWN = ["point", "status", "steps", "train_loss", "val_loss", "tokens_per_s", "batch_sequences", "wall_time_s"]
+SHOWN = ["point", "status", "steps", "restarts", "train_loss", "val_loss", "tokens_per_s", "batch_sequences", "wall_time_s"]
 
 
 def table_text(table: list[dict], columns: list[str]) -> str:
@@ -67,7 +67,8 @@ def run_status(run_dir: Path) -> str:
     lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {max_steps}"]
     if job:
         lines.append(f"  slurm            {job}")
-    for name in ("train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"):
+    names = ["train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"]
+    for name in (["restarts", "steps_lost"] if row["restarts"] else []) + names:
         if row[name] != "":
             lines.append(f"  {name:16} {summary._fmt(row[name])}")
     if row["error"]:

@@ -22,7 +22,7 @@ from xtrain.files import write_atomic
 CSV = "sweep.csv"
 MARKDOWN = "summary.md"
 PLOT = "sweep.png"
-COLUMNS = ["status", "steps", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences",
+COLUMNS = ["status", "steps", "restarts", "steps_lost", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences",
            "batch_tokens", "world_size", "wall_time_s", "error"]
 
 
@@ -77,6 +77,8 @@ def run_row(path: Path) -> dict:
     cfg = run_config(path)
     row = {column: result.get(column, "") for column in COLUMNS}
     row["status"] = result.get("status", "pending")
+    row["restarts"] = len(result.get("restarts", []))  # resumed in its own run dir: requeues, resume=auto
+    row["steps_lost"] = result.get("steps_lost", 0)
     if row["status"] == "running":  # its progress so far
         row["steps"], row["train_loss"] = latest_train_row(path)
     if cfg:

@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from typing import Callable
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from xtrain import config, hardware, launch, run_dir as rundir, summary
+from xtrain import config, hardware, launch, run_dir as rundir, stopping, summary
 from xtrain.config import ConfigError, RunConfig, SweepFailed
 from xtrain.files import write_atomic
 
@@ -261,7 +262,8 @@ def run_all(points: list[Point], todo: list[Point], sweep_dir: Path, n_jobs: int
                 report(point)
                 summary.write(sweep_dir)
         else:
-            _run_parallel(todo, sweep_dir, n_jobs)
+            with stopping.on(stopping.GRACEFUL):
+                _run_parallel(todo, sweep_dir, n_jobs)
     except KeyboardInterrupt:
         summary.write(sweep_dir)
         raise SweepFailed([f"sweep interrupted; continue it with run_dir={sweep_dir} resume=auto"], 130) from None
@@ -284,8 +286,13 @@ def _run_parallel(todo: list[Point], sweep_dir: Path, n_jobs: int) -> None:
     from xtrain.multiprocess import stop_tree
 
     queue, free, running = list(todo), _slots(n_jobs), {}
+    forwarded = False
     try:
         while queue or running:
+            if stopping.requested() and not forwarded:  # each running point stops at a step boundary
+                queue, forwarded = [], True
+                for proc in running:
+                    proc.send_signal(signal.SIGTERM)
             while queue and free:
                 point, slot = queue.pop(0), free.pop(0)
                 log.info("point %d started (%s): %s", point.num, slot, point.label)
@@ -296,6 +303,8 @@ def _run_parallel(todo: list[Point], sweep_dir: Path, n_jobs: int) -> None:
                 free.append(slot)
                 report(point)
                 summary.write(sweep_dir)
+        if forwarded:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         for proc, (point, _) in running.items():
             stop_tree(proc)

@@ -76,9 +76,12 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-def init_kwargs(cfg: RunConfig, run_dir: Path, main_process: bool) -> dict:
-    """Tracker settings for `init_trackers` (which starts trackers on the main process only)."""
+def init_kwargs(cfg: RunConfig, run_dir: Path, main_process: bool, start_step: int) -> dict:
+    """Tracker settings for `init_trackers` (which starts trackers on the main process only). A resumed run
+    continues its W&B run; TensorBoard hides what a killed attempt logged after the checkpoint (purge_step)."""
     if cfg.tracker.kind is TrackerKind.wandb and main_process:
         return {"wandb": {"dir": str(run_dir), "mode": wandb_mode(cfg.tracker.wandb_mode), "name": run_dir.name,
                           "id": wandb_run_id(run_dir), "resume": "allow"}}
+    if cfg.tracker.kind is TrackerKind.tensorboard and start_step:
+        return {"tensorboard": {"purge_step": start_step + 1}}
     return {}

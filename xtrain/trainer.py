@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, data, hardware, model as models, plan, plugins, run_dir as rundir, tracking
+from xtrain import checkpoint, config, data, hardware, model as models, plan, plugins, run_dir as rundir, stopping, tracking
 from xtrain.config import Precision, RunConfig
 from xtrain.files import replace_dir
 
@@ -207,6 +207,27 @@ class Components:
     n_val: int
 
 
+@dataclass
+class Window:
+    """Train loss and throughput since the last log line."""
+
+    loss_sum: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Progress:
+    """The loop's counters; `tokens_seen` and `skipped` travel in checkpoints."""
+
+    step: int
+    tokens_seen: int
+    skipped: int  # optimizer steps the fp16 loss scaler skipped
+    window: Window = field(default_factory=Window)
+    last_finite: tuple[int, float] | None = None
+
+
 def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
     t = cfg.trainer
     with accelerator.main_process_first():  # tokenizer training and tokenization happen once, then hit the cache
@@ -238,20 +259,30 @@ def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
     )
 
 
-def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path) -> tuple[int, int, int]:
-    """Load the checkpoint, if any, and cut metrics.jsonl back to it: (step, tokens seen, skipped steps)."""
-    counters = (0, 0, 0)
+def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path) -> tuple[Progress, int]:
+    """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, and on the main
+    process the last step logged before the cut."""
+    progress, last_logged = Progress(step=0, tokens_seen=0, skipped=0), 0
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         state = checkpoint.read_state(resume_from)
-        counters = (state["step"], state["tokens_seen"], state.get("skipped_steps", 0))
+        window = state.get("log_window", {})  # a stop between two log lines: the next one covers both parts
+        progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
+                            skipped=state.get("skipped_steps", 0),
+                            window=Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)))
     if accelerator.is_main_process:
-        if counters[0]:
-            rundir.keep_metrics_until(run_dir, counters[0])
+        if progress.step:
+            last_logged = rundir.keep_metrics_until(run_dir, progress.step)
         else:
             (run_dir / rundir.METRICS).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
-    return counters
+    return progress, last_logged
+
+
+def resume_setting(cfg: RunConfig, run_dir: Path) -> str:
+    """`resume` as run.yaml has it, except in a requeued SLURM job: that continues its own newest checkpoint."""
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    return "auto" if restarted and checkpoint.newest(run_dir) is not None else cfg.resume
 
 
 def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume_from: Path | None,
@@ -296,62 +327,37 @@ def train(run_dir: str | Path) -> dict:
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
     assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg), "no autocast"
     set_seed(t.seed)
-    resume_from = checkpoint.resolve(cfg.resume, run_dir, checkpoint.identity(cfg))
+    resume_from = checkpoint.resolve(resume_setting(cfg, run_dir), run_dir, checkpoint.identity(cfg))
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator)
-    model, scheduler = c.model, c.scheduler
 
-    start_step, tokens_seen, skipped = restore(accelerator, resume_from, run_dir)
+    progress, last_logged = restore(accelerator, resume_from, run_dir)
+    start_step = progress.step
     accelerator.init_trackers(cfg.tracker.project, config=_flat(config.to_container(cfg)),
-                              init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process))
-    world = accelerator.num_processes
-    tokens_per_step = t.batch_size * t.grad_accum * cfg.data.block_size * world
+                              init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
     if accelerator.is_main_process:
+        if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
+            result.update(rundir.continued(run_dir, start_step, last_logged))
         rundir.write_result(run_dir, result)
 
     train_start = time.time()
     if start_step == 0:
-        result["initial_val_loss"] = run_eval(accelerator, model, c.val_loader, 0)
-
+        result["initial_val_loss"] = run_eval(accelerator, c.model, c.val_loader, 0)
     batches = _recording_first_batch(
         micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
-    window, last_finite = Window(), None
-    progress = tqdm(
+    bar = tqdm(
         total=t.max_steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True,
         disable=not (accelerator.is_main_process and sys.stderr.isatty()),  # log files get the log lines only
     )
     try:
         with logging_redirect_tqdm():
-            for step in range(start_step + 1, t.max_steps + 1):
-                loss_sum = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
-                loss = finite_mean_loss(accelerator, loss_sum, t.grad_accum, step, last_finite, cfg)
-                last_finite = (step, loss)
-                if accelerator.optimizer_step_was_skipped:
-                    skipped += 1
-                window.loss_sum += loss
-                window.steps += 1
-                window.tokens += tokens_per_step
-                tokens_seen += tokens_per_step
-                progress.update(1)
-                if "time_to_first_step_s" not in result:
-                    result["time_to_first_step_s"] = round(time.time() - process_start, 3)
-
-                if step % t.log_every == 0 or step == t.max_steps:
-                    result["train_loss"] = log_train(accelerator, window, step, scheduler, tokens_seen, skipped)
-                    progress.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
-                    window = Window()
-                if step % t.eval_every == 0 or step == t.max_steps:
-                    result["val_loss"] = run_eval(accelerator, model, c.val_loader, step)
-                    result["val_ppl"] = math.exp(result["val_loss"])
-                if step % t.save_every == 0 or step == t.max_steps:
-                    state = {"tokens_seen": tokens_seen, "skipped_steps": skipped, **checkpoint.identity(cfg)}
-                    checkpoint.save(accelerator, run_dir, step, state, t.keep_checkpoints)
-                result["steps"], result["skipped_steps"] = step, skipped
+            stop = run_steps(accelerator, cfg, c, batches, progress, result, run_dir, bar, process_start)
         wall = time.time() - train_start
-        save_model(accelerator, model, c.tokenizer, run_dir)
+        if stop is None:
+            save_model(accelerator, c.model, c.tokenizer, run_dir)
     except BaseException as err:
         result["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
         result["error"] = f"{type(err).__name__}: {err}"
@@ -359,24 +365,100 @@ def train(run_dir: str | Path) -> dict:
             rundir.write_result(run_dir, result)
         raise
     finally:
-        progress.close()
+        bar.close()
 
     accelerator.end_training()
+    return finish(cfg, accelerator, result, stop, run_dir, (progress.step - start_step) / wall, process_start, wall)
+
+
+def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
+           steps_per_s: float, process_start: float, wall: float) -> dict:
+    """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     if torch.cuda.is_available():
         result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
     result.update(
-        status="completed",
-        tokens_per_s=(t.max_steps - start_step) * tokens_per_step / wall,
+        status="completed" if stop is None else "interrupted",
+        tokens_per_s=steps_per_s * tokens_per_step(cfg, accelerator),
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
+    if stop is not None:
+        result.update(stop=stop, error=f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved")
     if accelerator.is_main_process:
         rundir.write_result(run_dir, result)
-        log.info(
-            "done: %d steps | val loss %.4f (ppl %.1f) | %.0f tokens/s | %s",
-            t.max_steps, result["val_loss"], result["val_ppl"], result["tokens_per_s"], run_dir,
-        )
+        if stop is None:
+            log.info(
+                "done: %d steps | val loss %.4f (ppl %.1f) | %.0f tokens/s | %s",
+                cfg.trainer.max_steps, result["val_loss"], result["val_ppl"], result["tokens_per_s"], run_dir,
+            )
     return result
+
+
+def tokens_per_step(cfg: RunConfig, accelerator: Accelerator) -> int:
+    t = cfg.trainer
+    return t.batch_size * t.grad_accum * cfg.data.block_size * accelerator.num_processes
+
+
+def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, p: Progress, result: dict,
+              run_dir: Path, bar, process_start: float) -> dict | None:
+    """Optimizer steps up to `max_steps`, with logs, evals and checkpoints. A stop request (any rank's)
+    ends them at the step boundary, with a checkpoint of that step: returns the request."""
+    t = cfg.trainer
+    per_step = tokens_per_step(cfg, accelerator)
+    for step in range(p.step + 1, t.max_steps + 1):
+        loss_sum = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+        loss, stop = agree_on_step(accelerator, loss_sum, t.grad_accum, step, p.last_finite, cfg)
+        p.step, p.last_finite = step, (step, loss)
+        p.skipped += accelerator.optimizer_step_was_skipped
+        p.window.loss_sum += loss
+        p.window.steps += 1
+        p.window.tokens += per_step
+        p.tokens_seen += per_step
+        bar.update(1)
+        if "time_to_first_step_s" not in result:
+            note_first_step(result, process_start)
+        saved = periodic(accelerator, cfg, c, p, result, run_dir, bar)
+        result["steps"], result["skipped_steps"] = step, p.skipped
+        if stop and step < t.max_steps:
+            if not saved:
+                save_checkpoint(accelerator, cfg, run_dir, p)
+            request = stopping.requested() or {"signal": "a stop request on another rank", "at": time.time()}
+            log.info("step %d | stopped by %s: checkpoint saved", step, request["signal"])
+            return {**request, "step": step}
+    return None
+
+
+def note_first_step(result: dict, process_start: float) -> None:
+    now = time.time()
+    result["time_to_first_step_s"] = round(now - process_start, 3)
+    result["first_step_at"] = now
+    restart = (result.get("restarts") or [{}])[-1]
+    if restart.get("stopped_at") and "down_s" not in restart:  # from the stop to this step, across the restart
+        restart["down_s"] = round(now - restart["stopped_at"], 3)
+
+
+def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
+             bar) -> bool:
+    """This step's log line, eval and checkpoint, where due; True if a checkpoint was saved."""
+    t, step = cfg.trainer, p.step
+    last = step == t.max_steps
+    if step % t.log_every == 0 or last:
+        result["train_loss"] = log_train(accelerator, p.window, step, c.scheduler, p.tokens_seen, p.skipped)
+        bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
+        p.window = Window()
+    if step % t.eval_every == 0 or last:
+        result["val_loss"] = run_eval(accelerator, c.model, c.val_loader, step)
+        result["val_ppl"] = math.exp(result["val_loss"])
+    if step % t.save_every == 0 or last:
+        save_checkpoint(accelerator, cfg, run_dir, p)
+        return True
+    return False
+
+
+def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
+    window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
+    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, **checkpoint.identity(cfg)}
+    checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints)
 
 
 def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
@@ -398,28 +480,20 @@ def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum:
     return loss_sum
 
 
-def finite_mean_loss(accelerator: Accelerator, loss_sum: torch.Tensor, grad_accum: int, step: int,
-                     last_finite: tuple[int, float] | None, cfg: RunConfig) -> float:
-    """The step's mean loss over its micro-batches and every rank; a NaN or infinite one stops the run
-    at once, on every rank alike (they all see the reduced value)."""
-    loss = accelerator.reduce(loss_sum, "mean").item() / grad_accum
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, grad_accum: int, step: int,
+                  last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, bool]:
+    """One all-reduce after each step: its mean loss over micro-batches and ranks, and whether any rank was
+    asked to stop. A NaN or infinite loss stops the run at once, on every rank alike (all see the mean)."""
+    asked = torch.tensor(float(stopping.requested() is not None), device=loss_sum.device)
+    mean_loss_sum, stop = accelerator.reduce(torch.stack([loss_sum.float(), asked]), "mean").tolist()
+    loss = mean_loss_sum / grad_accum
     if not math.isfinite(loss):
         before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
         raise config.Diverged(
             f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
             f"(now {cfg.trainer.lr:g}) or raise trainer.warmup_steps (now {cfg.trainer.warmup_steps})"
         )
-    return loss
-
-
-@dataclass
-class Window:
-    """Train loss and throughput since the last log line."""
-
-    loss_sum: float = 0.0
-    steps: int = 0
-    tokens: int = 0
-    start: float = field(default_factory=time.perf_counter)
+    return loss, stop > 0
 
 
 def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, tokens_seen: int, skipped: int) -> float:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from xtrain import stopping
 from xtrain.config import ConfigError, Diverged
 
 ERRORS_DIR = Path("logs") / "errors"
@@ -71,7 +72,8 @@ def main() -> None:
         from xtrain.trainer import train
 
         timeout_s = config.load(str(run_dir / rundir.RUN_CONFIG)).cluster.timeout_s
-        train(run_dir)
+        with stopping.on(stopping.IN_WORKERS, escalate=False):  # SIGTERM stays Terminated: torchrun stops ranks with it
+            train(run_dir)
     except BaseException as err:
         write_error(run_dir, rank, err, timeout_s)
         raise

@@ -1,0 +1,159 @@
+"""Stops on the real test cluster (tests/slurm/): a warning signal, `scontrol requeue` without warning, a time
+limit shorter than the run, a stop past `cluster.max_requeues`, a requeued sweep point. Each run comes back in
+its own run dir and ends bitwise equal to the same run unbroken, every step logged once."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import read_metrics, read_result, run_xtrain
+from test_slurm import SLURM, job_id, sacct_state, started, sweep_rows, wait_for_step
+from test_stop import assert_equal_weights, logged
+from test_trackers import wandb_history
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+# 40 steps, a row every step, periodic checkpoints every 5: long enough to be stopped in the middle.
+LONG = ["trainer.max_steps=40", "trainer.warmup_steps=4", "trainer.log_every=1", "trainer.eval_every=10",
+        "trainer.save_every=5", "trainer.batch_size=4"]
+TWO_PROCESSES = [*LONG, "cluster.num_processes=2"]
+
+
+@pytest.fixture(scope="module")
+def two_processes_unbroken(tmp_path_factory) -> Path:
+    """The reference: the same run as a local 2-process run, never stopped."""
+    run_dir = tmp_path_factory.mktemp("unbroken") / "run"
+    run_xtrain(f"run_dir={run_dir}", *TWO_PROCESSES)
+    return run_dir
+
+
+def every_step_once(run_dir: Path, max_steps: int, log_every: int = 1) -> bool:
+    logged_steps = [r["step"] for r in read_metrics(run_dir) if "train/loss" in r]
+    return logged_steps == list(range(log_every, max_steps + 1, log_every))
+
+
+def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continues_bitwise(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = [*SLURM, *LONG, "cluster.nodes=2", "cluster.num_processes=1", "tracker=tensorboard"]
+    unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
+    run_xtrain(f"run_dir={unbroken}", *args)
+
+    proc = started(f"run_dir={run_dir}", *args)
+    wait_for_step(run_dir, 12, proc)
+    job = job_id(run_dir)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends before the time limit
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["hosts"] == ["n1", "n2"]
+    [restart] = result["restarts"]
+    assert restart["ended"] == "requeued" and restart["steps_lost"] == 0 and restart["slurm_job"] == job
+    assert restart["slurm_restart_count"] == 1 and restart["reason"].startswith("stopped by SIGUSR2 at step")
+    assert result["resumed_from"].endswith(f"step_{restart['at_step']:08d}")
+    assert f"slurm job {job}: PENDING" in out and "restart 1" in out  # followed across the requeue
+    assert sacct_state(job) == "COMPLETED"
+    assert every_step_once(run_dir, 40) and logged(run_dir) == logged(unbroken)
+    assert_equal_weights(unbroken, run_dir)
+    events = EventAccumulator(str(run_dir / "tensorboard" / "xtrain"))  # the same log dir, each step once
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 41))
+
+
+def test_scontrol_requeue_without_warning_resumes_from_the_newest_periodic_checkpoint(tmp_path,
+                                                                                       two_processes_unbroken):
+    run_dir = tmp_path / "run"
+    proc = started(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES)
+    wait_for_step(run_dir, 12, proc)
+    job = job_id(run_dir)
+    subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM to every process, then SIGKILL
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+
+    result = read_result(run_dir)
+    [restart] = result["restarts"]
+    assert result["status"] == "completed" and restart["slurm_restart_count"] == 1
+    assert restart["at_step"] % 5 == 0 and restart["at_step"] >= 10  # a periodic checkpoint
+    assert restart["steps_lost"] >= 2 and result["steps_lost"] == restart["steps_lost"]  # logged after it, trained again
+    assert every_step_once(run_dir, 40) and logged(run_dir) == logged(two_processes_unbroken)
+    assert_equal_weights(two_processes_unbroken, run_dir)
+
+
+def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wandb_run(tmp_path):
+    """time_limit=1 minute, the warning 30 s before: each allocation trains, checkpoints and requeues."""
+    home = {"HOME": str(tmp_path / "home")}
+    run = ["trainer.max_steps=150", "trainer.warmup_steps=10", "trainer.log_every=5", "trainer.eval_every=50",
+           "trainer.save_every=50", "trainer.batch_size=8", "tracker=wandb"]
+    unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
+    run_xtrain(f"run_dir={unbroken}", *SLURM, *run, env=home)
+    proc = run_xtrain(f"run_dir={run_dir}", "cluster=slurm", "cluster.time_limit=1", "cluster.signal_lead_s=30",
+                      *run, env=home)
+    assert "#SBATCH --signal=USR2@30" in next((run_dir / "logs").glob("*_submission.sh")).read_text()
+
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and len(result["restarts"]) >= 2, proc.stdout
+    assert all(r["ended"] == "requeued" and r["steps_lost"] == 0 for r in result["restarts"])
+    assert [r["slurm_restart_count"] for r in result["restarts"]] == list(range(1, len(result["restarts"]) + 1))
+    assert every_step_once(run_dir, 150, log_every=5) and logged(run_dir) == logged(unbroken)
+    assert_equal_weights(unbroken, run_dir)
+    # one W&B run across the allocations: one id, and its history has every logged step once, in order
+    run_id = (run_dir / "wandb_id").read_text().strip()
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == len(result["restarts"]) + 1 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    steps = [int(row["_step"]) for r in runs for row in wandb_history(next(r.glob("run-*.wandb")))[0]
+             if "train/loss" in row]
+    assert steps == list(range(5, 151, 5))
+
+
+def test_past_max_requeues_a_stop_ends_the_run_with_one_line_and_a_usable_checkpoint(tmp_path,
+                                                                                      two_processes_unbroken):
+    run_dir = tmp_path / "run"
+    proc = started(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES, "cluster.max_requeues=0")
+    wait_for_step(run_dir, 12, proc)
+    job = job_id(run_dir)
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)
+    _, err = proc.communicate(timeout=300)
+    result = read_result(run_dir)
+    step = result["stop"]["step"]
+    assert proc.returncode == 128 + 12 and "Traceback" not in err  # 12: SIGUSR2
+    assert err.strip().splitlines()[-1] == (
+        f"xtrain: stopped by SIGUSR2 at step {step} with a checkpoint; not requeued: the job has been restarted "
+        f"0 time(s), cluster.max_requeues=0; continue with run_dir={run_dir} resume=auto")
+    assert result["status"] == "interrupted" and sacct_state(job) == "COMPLETED"
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "xtrain_state.json").is_file()
+
+    run_xtrain(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES, "resume=auto")  # by hand, as the line says
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["restarts"][0]["at_step"] == step
+    assert every_step_once(run_dir, 40)
+    assert_equal_weights(two_processes_unbroken, run_dir)
+
+
+def test_a_requeued_sweep_point_resumes_its_own_point_and_the_summary_shows_it(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = started("-m", f"run_dir={sweep_dir}", *SLURM, *LONG, "trainer.lr=1e-3,2e-3",
+                   "hydra.launcher.array_parallelism=2")
+    while not list(sweep_dir.glob("1_*/slurm.json")):
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    first, second = sorted(sweep_dir.glob("[01]_*"))
+    wait_for_step(second, 12, proc)
+    task = job_id(second)
+    subprocess.run(["scancel", "--signal=USR2", task], check=True)  # that array task only
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+
+    rows = {r["point"]: r for r in sweep_rows(sweep_dir)}
+    assert rows[first.name]["restarts"] == "0" and rows[second.name]["restarts"] == "1"
+    assert all(r["status"] == "completed" for r in rows.values())
+    header = next(line for line in (sweep_dir / "summary.md").read_text().splitlines() if line.startswith("| point"))
+    assert "| restarts |" in header
+    [restart] = read_result(second)["restarts"]
+    assert restart["slurm_job"] == task and restart["ended"] == "requeued" and restart["steps_lost"] == 0
+    assert every_step_once(second, 40) and every_step_once(first, 40)
+    assert "restarts" not in read_result(first)

@@ -1,0 +1,89 @@
+"""Stop requests: a signal only sets a flag; training ends at the next step boundary.
+
+The loop agrees on the flag across ranks (in the step's one all-reduce), every rank saves a
+checkpoint, and the run ends `interrupted`, resumable with `resume=auto` (under SLURM the job
+requeues itself). Which signals ask for this depends on the process:
+
+- the process that trains in-process (one process), and the driver of N workers: SIGTERM,
+  SIGUSR1, SIGUSR2 (a spot instance's notice, SLURM's `--signal` warning, a workload manager);
+- a worker under torchrun: SIGUSR1, SIGUSR2 only; torchrun ends workers with SIGTERM when another
+  rank failed, and that must stop at once (`worker.Terminated`).
+
+A second request while the first is pending stops at once (KeyboardInterrupt), as a second Ctrl-C would
+(not in workers: their driver repeats the request until they end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+
+GRACEFUL = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+IN_WORKERS = (signal.SIGUSR1, signal.SIGUSR2)
+
+_request: dict = {}  # {"signal": "SIGUSR2", "at": epoch seconds} once asked
+_escalate = [True]
+
+
+class Stopped(Exception):
+    """A run stopped at a step boundary on request, with a complete checkpoint: resumable."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # as a shell reports a process ended by that signal
+
+
+def requested() -> dict | None:
+    """{"signal": name, "at": time} if a stop was asked for in this process."""
+    return dict(_request) if _request else None
+
+
+def request(signum: int) -> None:
+    if _request:
+        if not _escalate[0]:
+            return
+        raise KeyboardInterrupt(f"stopped at once by a second {signal.Signals(signum).name}")
+    _request.update({"signal": signal.Signals(signum).name, "at": time.time()})
+
+
+def clear() -> None:
+    _request.clear()
+
+
+def _on_signal(signum, frame) -> None:
+    request(signum)
+
+
+_depth = [0]
+
+
+@contextlib.contextmanager
+def on(signals=GRACEFUL, escalate: bool = True):
+    """Inside: these signals ask for a stop at the next step boundary (main thread only; elsewhere a no-op).
+    Nested uses share the outermost one's request. `escalate=False` (workers, whose driver repeats its
+    request until they end): a second signal changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if not _depth[0]:
+        clear()
+        _escalate[0] = escalate
+    _depth[0] += 1
+    previous = {s: signal.signal(s, _on_signal) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        _depth[0] -= 1
+        if not _depth[0]:
+            clear()
+
+
+def ignore_in_child() -> None:
+    """preexec_fn for torchrun: it ignores the stop signals (SIGUSR1/2 would kill it: their default action),
+    and its workers start ignoring them until they install their own handlers."""
+    for s in IN_WORKERS:
+        signal.signal(s, signal.SIG_IGN)
