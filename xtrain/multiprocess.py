@@ -113,12 +113,14 @@ def first_error(run_dir: Path) -> dict | None:
     return min(root, key=lambda e: e["time"]) if root else None
 
 
-def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict) -> int:
+def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
+              step_boundary: bool = False) -> int:
     """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
 
-    SIGINT stops the whole tree at once. SIGTERM, SIGUSR1 and SIGUSR2 ask the workers to stop at the next
-    step boundary with a checkpoint (SIGUSR1 to each, repeated until they end: one that is still starting
-    gets it once it listens); a second one stops the tree at once."""
+    SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGTERM,
+    SIGUSR1 and SIGUSR2 instead ask the workers to stop at the next step boundary with a checkpoint
+    (SIGUSR1 to each, repeated until they end: one that is still starting gets it once it listens); a
+    second one stops the tree at once."""
     port = topology.main_process_port or free_port()
     for stale in (workdir / ERRORS_DIR).glob("rank*.json"):
         stale.unlink()
@@ -137,7 +139,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         proc = subprocess.Popen(
             torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
-            preexec_fn=stopping.ignore_in_child,
+            preexec_fn=stopping.ignore_in_child if step_boundary else None,
         )
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
@@ -156,15 +158,17 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
                 _signal_workers(proc, signal.SIGUSR1)
                 log_file.write(f"xtrain: {signal.Signals(signum).name}: asking the workers to stop at a step boundary\n")
 
-        previous = {signal.SIGINT: signal.signal(signal.SIGINT, at_once)}
-        previous.update({s: signal.signal(s, at_step_boundary) for s in stopping.GRACEFUL})
+        handlers = {signal.SIGINT: at_once, signal.SIGTERM: at_once}
+        if step_boundary:
+            handlers.update({s: at_step_boundary for s in stopping.GRACEFUL})
+        previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
         try:
             while True:
                 try:
                     code = proc.wait(timeout=1.0)
                     break
                 except subprocess.TimeoutExpired:
-                    if stopping.requested() and not stopped_by:  # (asked before they started: under SLURM)
+                    if step_boundary and stopping.requested() and not stopped_by:  # (also: asked before they started)
                         _signal_workers(proc, signal.SIGUSR1)
         finally:
             for s, handler in previous.items():
@@ -173,7 +177,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
             t.join(timeout=5)
     if stopped_by:
         return -stopped_by[0]
-    asked = stopping.requested()
+    asked = stopping.requested() if step_boundary else None
     return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
 
 
@@ -195,7 +199,7 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     c = cfg.cluster
     topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
     with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
-        code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {})
+        code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {}, step_boundary=True)
         asked = stopping.requested()
     error = first_error(run_dir)
     if code < 0 and error is not None and not error["terminated"]:
