@@ -51,10 +51,14 @@ def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path, dropout
     proc = start_xtrain(f"run_dir={killed}", *overrides)
     kill_after_checkpoint(proc, killed / "checkpoints" / "step_00000020")
     assert read_result(killed)["status"] == "running"  # what a killed run leaves
+    last_logged = max(r["step"] for r in read_metrics(killed))
     run_xtrain(f"run_dir={killed}", *overrides, "resume=auto")
 
     result = read_result(killed)
     assert result["status"] == "completed" and result["resumed_from"].endswith("step_00000020")
+    [restart] = result["restarts"]  # the steps trained after the checkpoint were lost, and trained again
+    assert restart["ended"] == "running" and restart["at_step"] == 20
+    assert restart["steps_lost"] == last_logged - 20 == result["steps_lost"]
     expected, got = weights(whole), weights(killed)
     assert expected.keys() == got.keys()
     for name in expected:

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -250,7 +251,10 @@ def run_node(run_dir: str) -> dict:
         log.info("job %s on %s; rendezvous %s:%d%s", os.environ.get("SLURM_JOB_ID"),
                  os.environ.get("SLURM_JOB_NODELIST"), cfg.cluster.main_process_ip, cfg.cluster.main_process_port,
                  f"; restart {restart_count()}" if restart_count() else "")
-    # from here on, submitit's own handlers (requeue at once, with no checkpoint) are replaced
+    # from here on, submitit's own handlers (requeue at once, with no checkpoint) are replaced; a warning
+    # that comes after the run ended is ignored (not the default action, which ends the task: FAILED)
+    for signum in stopping.IN_WORKERS:
+        signal.signal(signum, signal.SIG_IGN)
     with stopping.on(stopping.GRACEFUL):
         try:
             import torch
@@ -281,8 +285,6 @@ def requeue_or_end(cfg: RunConfig, path: Path) -> None:
     """After a stop at a step boundary (every rank has saved): requeue this job, unless it has been
     restarted `cluster.max_requeues` times already; then the run ends `interrupted`, resumable by hand.
     After SIGTERM, SLURM's own way of ending a job, what happens next is SLURM's (it may requeue it)."""
-    import signal
-
     import submitit
 
     result = json.loads((path / rundir.RESULT).read_text())
@@ -357,8 +359,13 @@ def settle(job: Job, state: str) -> dict:
     """A job that ended: its run's result.json says how, even where no rank could write it."""
     path = job.path
     result = json.loads((path / rundir.RESULT).read_text()) if (path / rundir.RESULT).exists() else {}
-    if state == "COMPLETED" and (result.get("status") == "completed" or result.get("stop")):
-        return result  # done, or stopped on request with a checkpoint and not requeued (cluster.max_requeues)
+    if result.get("status") == "completed":  # the run's own record: a task ending badly after it does not undo it
+        if state != "COMPLETED":
+            result = {**result, "slurm_state": state}
+            rundir.write_result(path, result)
+        return result
+    if state == "COMPLETED" and result.get("stop"):
+        return result  # stopped on request with a checkpoint and not requeued (cluster.max_requeues)
     status = ENDED_AS.get(state, "failed")
     if status == "completed":  # the job ended well, yet the run has no result: nothing trained
         status = "failed"
@@ -482,8 +489,6 @@ def launch(cfg: RunConfig) -> dict:
         _show_failing_rank(path)
         raise LaunchFailed(f"{result['error']}\nevery rank's output: {path / LOGS}", 1)
     if result["status"] == "interrupted" and result.get("stop"):  # not requeued: the line says how to continue
-        import signal
-
         from xtrain.stopping import Stopped
 
         raise Stopped(result["error"], getattr(signal.Signals, result["stop"]["signal"], signal.SIGTERM))
