@@ -23,7 +23,8 @@ import torch
 from hydra import compose, initialize_config_module
 
 from xtrain import cli, config, data, hardware, model as models, run_dir as rundir
-from xtrain.trainer import build_optimizer, lr_factor, train
+from xtrain.loop import train
+from xtrain.optim import build_optimizer, lr_factor
 
 
 def compose_config(overrides: list[str], run_path: Path, steps: int) -> config.RunConfig:

@@ -50,7 +50,7 @@ def options(group: str) -> list[str]:
 
 
 def test_setting_names_are_the_golden_set():
-    assert cli.setting_names() == GOLDEN_KEYS
+    assert config.setting_names() == GOLDEN_KEYS
 
 
 def test_default_composes_to_typed_config():

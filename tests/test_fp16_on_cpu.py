@@ -13,8 +13,8 @@ import torch
 
 from conftest import read_metrics, read_result, run_xtrain
 from test_config import compose_run
-from xtrain import hardware
-from xtrain.trainer import lr_factor
+from xtrain import cpu_seams, hardware
+from xtrain.optim import lr_factor
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers fp16")
 
@@ -23,7 +23,7 @@ def test_skipped_steps_do_not_advance_the_schedule(tmp_path):
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", "precision=fp16", "trainer.batch_size=4", "trainer.max_steps=14",
                "trainer.warmup_steps=4", "trainer.log_every=1", "trainer.eval_every=14", "trainer.save_every=14",
-               env={hardware.FP16_ON_CPU_ENV: "1"})
+               env={cpu_seams.FP16_ON_CPU_ENV: "1"})
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["precision"] == "fp16" and result["autocast"] is True
     assert 0 < result["skipped_steps"] < 14  # overflows at the start, then the halved scale fits
@@ -39,7 +39,7 @@ def test_skipped_steps_do_not_advance_the_schedule(tmp_path):
 
 
 def test_fp16_on_cpu_is_a_test_seam_only(monkeypatch):
-    monkeypatch.delenv(hardware.FP16_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv(cpu_seams.FP16_ON_CPU_ENV, raising=False)
     assert "precision=fp16: needs a CUDA GPU" in hardware.refusal(compose_run("precision=fp16"))
-    monkeypatch.setenv(hardware.FP16_ON_CPU_ENV, "1")
+    monkeypatch.setenv(cpu_seams.FP16_ON_CPU_ENV, "1")
     assert hardware.refusal(compose_run("precision=fp16")) is None

@@ -19,11 +19,11 @@ import torch
 from conftest import SHARDED, read_metrics, read_result, run_xtrain, train_losses
 from test_config import compose_run
 from test_errors import assert_one_line_error
-from xtrain import hardware
+from xtrain import cpu_seams, hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers FSDP")
 
-FSDP_ON_CPU = {hardware.FSDP_ON_CPU_ENV: "1"}
+FSDP_ON_CPU = {cpu_seams.FSDP_ON_CPU_ENV: "1"}
 FINAL = Path("checkpoints") / "step_00000020"
 
 
@@ -173,9 +173,9 @@ def test_fsdp1_cannot_run_on_a_cpu(tmp_path):
 
 
 def test_fsdp_on_cpu_is_a_test_seam_only(monkeypatch):
-    monkeypatch.delenv(hardware.FSDP_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv(cpu_seams.FSDP_ON_CPU_ENV, raising=False)
     assert "FSDP needs CUDA GPUs" in hardware.refusal(compose_run("strategy=fsdp"))
-    monkeypatch.setenv(hardware.FSDP_ON_CPU_ENV, "1")
+    monkeypatch.setenv(cpu_seams.FSDP_ON_CPU_ENV, "1")
     assert hardware.refusal(compose_run("strategy=fsdp")) is None
     assert "DeepSpeed ZeRO needs CUDA GPUs" in hardware.refusal(compose_run("strategy=zero2"))
     assert "precision=fp16" in hardware.refusal(compose_run("strategy=fsdp", "precision=fp16"))

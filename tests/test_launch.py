@@ -102,12 +102,12 @@ def test_two_nodes_on_one_machine(tmp_path, started, one_process_batch_16):
 FAIL_ON_RANK_1 = '''
 import os
 if os.environ.get("RANK") == "1":
-    import xtrain.trainer
+    import xtrain.loop
 
     def evaluate(*args, **kwargs):
         raise RuntimeError("injected failure on rank 1")
 
-    xtrain.trainer.evaluate = evaluate
+    xtrain.loop.evaluate = evaluate
 '''
 
 

@@ -278,7 +278,7 @@ def test_strategy_and_precision_options_match_the_enums():
 ])
 def test_a_setup_other_than_the_requested_one_stops_the_run(overrides, distributed_type, processes):
     from accelerate.utils import DistributedType
-    from xtrain.trainer import check_setup
+    from xtrain.accelerator import check_setup
 
     with pytest.raises(RuntimeError, match="stopping rather than training something else"):
         check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)
@@ -293,6 +293,6 @@ def test_a_setup_other_than_the_requested_one_stops_the_run(overrides, distribut
 ])
 def test_the_requested_setup_passes(overrides, distributed_type, processes):
     from accelerate.utils import DistributedType
-    from xtrain.trainer import check_setup
+    from xtrain.accelerator import check_setup
 
     check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)

@@ -275,7 +275,8 @@ def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
     """Pure check, any machine: N points at once on G GPUs get G // N each; never fewer than they ask for."""
     from test_config import compose_run
     from xtrain.config import ConfigError
-    from xtrain.sweep import Point, check_parallel
+    from xtrain.backends.local import check_parallel
+    from xtrain.run_dir import Point
 
     points = [Point(0, ["trainer.seed=1"], compose_run("cluster.num_processes=4")),
               Point(1, ["trainer.seed=2"], compose_run("cluster.num_processes=2"))]

@@ -17,11 +17,11 @@ import torch
 from conftest import SHARDED as RUN, read_metrics, read_result, run_xtrain, train_losses
 from test_config import compose_run
 from test_errors import assert_one_line_error
-from xtrain import hardware
+from xtrain import cpu_seams, hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
 
-ZERO_ON_CPU = {hardware.ZERO_ON_CPU_ENV: "1"}
+ZERO_ON_CPU = {cpu_seams.ZERO_ON_CPU_ENV: "1"}
 # RUN has gradient accumulation: DeepSpeed accumulates itself, in step with Accelerate's
 # zero.Init draws ZeRO-3's initial weights in another order (same distributions, other values)
 # ZeRO-3 gathers and reduce-scatters in a different order than DDP: measured up to 1.3% apart by step 7
@@ -110,9 +110,9 @@ def test_zero3_bf16_with_parameter_and_optimizer_offload(tmp_path, ddp):
 
 
 def test_zero_on_cpu_is_a_test_seam_only(monkeypatch):
-    monkeypatch.delenv(hardware.ZERO_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv(cpu_seams.ZERO_ON_CPU_ENV, raising=False)
     assert "needs CUDA GPUs" in hardware.refusal(compose_run("strategy=zero2"))
-    monkeypatch.setenv(hardware.ZERO_ON_CPU_ENV, "1")
+    monkeypatch.setenv(cpu_seams.ZERO_ON_CPU_ENV, "1")
     assert hardware.refusal(compose_run("strategy=zero2")) is None
     assert "FSDP needs CUDA GPUs" in hardware.refusal(compose_run("strategy=fsdp"))
     assert "precision=fp16" in hardware.refusal(compose_run("strategy=zero2", "precision=fp16"))

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from xtrain.config import ConfigError
+from xtrain.errors import ConfigError
 from xtrain.files import replace_dir
 
 STATE_FILE = "xtrain_state.json"

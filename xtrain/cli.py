@@ -1,4 +1,4 @@
-"""`python -m xtrain`: Hydra composes conf/ over the typed schema, then `launch` runs it.
+"""`python -m xtrain`: Hydra composes conf/ over the typed schema, then the backend of `cluster.kind` runs it.
 
 User errors (bad values, unknown keys, missing files) end as one line on stderr and
 exit code 2. This module imports neither torch nor transformers: `--cfg job` and
@@ -7,11 +7,8 @@ exit code 2. This module imports neither torch nor transformers: `--cfg job` and
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import importlib.util
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -20,12 +17,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException
 
-from xtrain import config
-from xtrain.config import ConfigError, Diverged, RunConfig, SweepFailed
-from xtrain.multiprocess import LaunchFailed
-from xtrain.stopping import Stopped
+from xtrain import config, hardware
+from xtrain.config import RunConfig
+from xtrain.errors import ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
 
 GROUP_SCHEMAS = {
     "model": config.ModelConfig,
@@ -46,48 +42,6 @@ def register_schemas() -> None:
         store.store(group=group, name=f"base_{group}", node=schema)
 
 
-def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
-    """Every dotted key a user can set, e.g. `trainer.batch_size`."""
-    names = []
-    for f in dataclasses.fields(schema):
-        default = schema.__dataclass_fields__[f.name]
-        sub = default.default_factory() if default.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(sub):
-            names += setting_names(type(sub), f"{prefix}{f.name}.")
-        else:
-            names.append(f"{prefix}{f.name}")
-    return names
-
-
-def _override_value(key: str) -> str | None:
-    for arg in sys.argv[1:]:
-        name, sep, value = arg.lstrip("+~").partition("=")
-        if sep and name == key:
-            return value
-    return None
-
-
-def explain(err: Exception) -> str:
-    """One line for a Hydra / OmegaConf composition error: the setting, the bad value, what would work."""
-    cause = err.__cause__ or err
-    key = getattr(cause, "full_key", None)
-    if not key:
-        return " ".join(str(err).split())
-    value = _override_value(key)
-    setting = f"{key}={value}" if value is not None else key
-    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        close = difflib.get_close_matches(key, setting_names(), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "python -m xtrain --cfg job lists every setting"
-        return f"{setting}: no such setting; {hint}"
-    if isinstance(cause, MissingMandatoryValue):
-        return f"{key}: must be set"
-    reason = str(cause).splitlines()[0]
-    converted = re.match(r"Value '.*' of type '.*' could not be converted to (\w+)", reason)
-    if converted:
-        reason = f"not a valid {converted.group(1).lower()}"
-    return f"{setting}: {reason}"
-
-
 def fail(message: str) -> None:
     print(f"xtrain: error: {message}", file=sys.stderr)
     sys.exit(2)
@@ -98,10 +52,10 @@ def hydra_main(cfg: DictConfig):
     output_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg.run_dir = output_dir
-        run_config = config.from_container(cfg)
-        from xtrain.launch import launch
+        run_config = hardware.resolve_processes(config.from_container(cfg))
+        from xtrain.backends import for_cluster
 
-        return launch(run_config).get("val_loss")
+        return for_cluster(run_config.cluster.kind).run(run_config).get("val_loss")
     except ConfigError as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
         fail(str(err))
@@ -155,7 +109,7 @@ def _report_refusal(err: Exception) -> None:
     if isinstance(err, MissingConfigException):  # unknown group option: Hydra's message lists the choices
         print(f"xtrain: error: {str(err).split('Config search path')[0].strip()}", file=sys.stderr)
         sys.exit(2)
-    fail(explain(err))
+    fail(explain(err, config.setting_names()))
 
 
 if __name__ == "__main__":

@@ -7,27 +7,14 @@ the bad value and what would work.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import Enum
 import re
 from typing import Any, Dict, List, Optional
 
-
-class ConfigError(ValueError):
-    """A user error in the run config: printed as one line, exit code 2."""
-
-
-class Diverged(RuntimeError):
-    """The loss became NaN or infinite: printed as one line (no traceback helps), exit code 1."""
-
-
-class SweepFailed(Exception):
-    """Points of a sweep failed (one line each; the others are recorded), or the sweep was interrupted."""
-
-    def __init__(self, lines: list[str], exit_code: int):
-        super().__init__("\n".join(lines))
-        self.exit_code = exit_code
+from xtrain.errors import ConfigError
 
 
 def _positive(name: str, value: float) -> None:
@@ -403,6 +390,19 @@ class RunConfig:
     """`none`, `auto` (newest checkpoint in run_dir, fresh start if none) or a checkpoint path."""
     dry_run: bool = False
     """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
+
+
+def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a user can set, e.g. `trainer.batch_size`."""
+    names = []
+    for f in dataclasses.fields(schema):
+        default = schema.__dataclass_fields__[f.name]
+        sub = default.default_factory() if default.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            names += setting_names(type(sub), f"{prefix}{f.name}.")
+        else:
+            names.append(f"{prefix}{f.name}")
+    return names
 
 
 def cache_dir(data: DataConfig) -> str:

@@ -18,7 +18,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from xtrain.config import ConfigError, DataConfig, DataSource, ModelConfig, ModelSource, cache_dir
+from xtrain.config import DataConfig, DataSource, ModelConfig, ModelSource, cache_dir
+from xtrain.errors import ConfigError
 
 log = logging.getLogger("xtrain")
 

@@ -102,7 +102,8 @@ def _accelerate_env(args, defaults, mp_from_config, port: int) -> dict:
 def _call(func, kwargs: dict, launch_args: dict):
     import cloudpickle
 
-    from xtrain.multiprocess import Topology, first_error, free_port, supervise
+    from xtrain.multiprocess import Topology, free_port, supervise
+    from xtrain.run_dir import first_rank_error
 
     args, defaults, mp_from_config = _launch_args(launch_args, torch.cuda.is_available())
     machines = args.num_machines or 1
@@ -126,7 +127,7 @@ def _call(func, kwargs: dict, launch_args: dict):
         kind, value = cloudpickle.loads(outcome.read_bytes()) if outcome.exists() else ("missing", None)
         if kind == "ok" and code == 0:
             return value
-        root = first_error(workdir)
+        root = first_rank_error(workdir)
         if kind == "error" and (root is None or root["rank"] == 0):
             raise value  # rank 0's own exception, as if the function had run here
         detail = f"rank {root['rank']} failed: {root['summary']}\n{root['traceback']}" if root else \

@@ -11,11 +11,10 @@ import importlib.util
 import os
 from dataclasses import replace
 
-from xtrain.config import ClusterKind, ConfigError, Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.config import ClusterKind, Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
+from xtrain.errors import ConfigError
 
-ZERO_ON_CPU_ENV = "XTRAIN_TEST_ZERO_ON_CPU"
-FSDP_ON_CPU_ENV = "XTRAIN_TEST_FSDP_ON_CPU"
-FP16_ON_CPU_ENV = "XTRAIN_TEST_FP16_ON_CPU"
 FP8_PACKAGES = {
     Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
     Fp8Backend.torchao: ("torchao", "pip install torchao"),
@@ -53,31 +52,6 @@ def local_gpu_gb() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(0).total_memory / 1e9
-
-
-def _test_seam(env: str) -> bool:
-    """A test-only switch, honoured only where there is no CUDA GPU (on a GPU the real path runs)."""
-    import torch
-
-    return os.environ.get(env) == "1" and not torch.cuda.is_available()
-
-
-def zero_on_cpu(cfg: RunConfig) -> bool:
-    """Test seam: ZeRO through DeepSpeed's own CPU accelerator (gloo), so CI runs the DeepSpeed paths
-    without a GPU. Not a user option: Accelerate does not support it, and DeepSpeed on CPU is slow."""
-    return cfg.strategy.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3) and _test_seam(ZERO_ON_CPU_ENV)
-
-
-def fsdp_on_cpu(cfg: RunConfig) -> bool:
-    """Test seam: FSDP over gloo on CPU, so CI runs the FSDP paths without a GPU. Not a user option:
-    Accelerate takes its FSDP branch only for accelerator process groups (the trainer fakes one)."""
-    return cfg.strategy.name is Strategy.fsdp and _test_seam(FSDP_ON_CPU_ENV)
-
-
-def fp16_on_cpu(cfg: RunConfig) -> bool:
-    """Test seam: fp16 autocast with a loss scaler on CPU (DDP), so CI runs the scaled-loss path and its
-    skipped steps. Not a user option: Accelerate runs fp16 only on accelerators (on CPU it trains fp32)."""
-    return cfg.precision.name is Precision.fp16 and cfg.strategy.name is Strategy.ddp and _test_seam(FP16_ON_CPU_ENV)
 
 
 def name_deepspeed_accelerator() -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from xtrain.config import ConfigError, ModelArch, ModelConfig, ModelSource
+from xtrain.config import ModelArch, ModelConfig, ModelSource
+from xtrain.errors import ConfigError
 
 
 def _cannot_load(model: ModelConfig, err: BaseException) -> ConfigError:

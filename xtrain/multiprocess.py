@@ -10,7 +10,6 @@ ask the workers to stop at a step boundary with a checkpoint (xtrain/stopping.py
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,19 +22,12 @@ from pathlib import Path
 import psutil
 
 from xtrain import run_dir as rundir, stopping
-from xtrain.config import ConfigError, RunConfig
-from xtrain.worker import ERRORS_DIR
+from xtrain.config import RunConfig
+from xtrain.errors import ConfigError, LaunchFailed
+from xtrain.run_dir import ERRORS_DIR
 
 RANK0_PREFIX = "[default0]:"
 GRACE_S = 10
-
-
-class LaunchFailed(Exception):
-    """Workers failed; the message is the failing rank's own error."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def free_port() -> int:
@@ -105,12 +97,6 @@ def stop_tree(proc: subprocess.Popen) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-
-
-def first_error(run_dir: Path) -> dict | None:
-    errors = [json.loads(p.read_text()) for p in (run_dir / ERRORS_DIR).glob("rank*.json")]
-    root = [e for e in errors if not e["terminated"]] or errors
-    return min(root, key=lambda e: e["time"]) if root else None
 
 
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
@@ -201,7 +187,7 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
         code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {}, step_boundary=True)
         asked = stopping.requested()
-    error = first_error(run_dir)
+    error = rundir.first_rank_error(run_dir)
     if code < 0 and error is not None and not error["terminated"]:
         code = 1  # stopped because a rank on another node failed (SLURM ends a job's tasks when one fails)
     if code < 0:
@@ -220,9 +206,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
             f"rank {error['rank']} failed: {error['summary']}\n"
             f"all {c.world_size} workers stopped; every rank's output: {run_dir / 'logs'}", 1,
         )
-    result = json.loads((run_dir / rundir.RESULT).read_text())
+    result = rundir.read_result(run_dir)
     if asked and result.get("stop") and c.node_rank == 0:  # the workers heard SIGUSR1 from us: name the signal
-        result["stop"].update(asked)
-        result["error"] = result["error"].replace("SIGUSR1", asked["signal"], 1)
-        rundir.write_result(run_dir, result)
+        result = rundir.update_result(run_dir, {"stop": {**result["stop"], **asked},
+                                                "error": result["error"].replace("SIGUSR1", asked["signal"], 1)})
     return result

@@ -14,15 +14,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from xtrain.config import (
-    ConfigError,
-    Fp8Backend,
-    Offload,
-    Precision,
-    RunConfig,
-    StateDictType,
-    Strategy,
-)
+from xtrain.config import Fp8Backend, Offload, Precision, RunConfig, StateDictType, Strategy
+from xtrain.errors import ConfigError
 
 ZERO_STAGE = {Strategy.zero1: 1, Strategy.zero2: 2, Strategy.zero3: 3}
 MIXED_PRECISION = {Precision.fp32: "no", Precision.fp16: "fp16", Precision.bf16: "bf16", Precision.fp8: "fp8"}

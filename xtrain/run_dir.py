@@ -1,24 +1,130 @@
-"""The run dir contract: run.yaml, metrics.jsonl, result.json, checkpoints/, model/.
+"""The run-dir contract: the files a run and a sweep leave behind, and the one way to write `result.json`.
 
-Every file is replaced atomically (write aside, rename), so an interrupted run never
-leaves a half-written one.
+A run dir:
+
+| file | what | written by |
+| --- | --- | --- |
+| `run.yaml` | the resolved, typed run config (what the workers read) | `prepare`, before anything runs |
+| `metrics.jsonl` | one JSON object per logged train step and per eval | the trainer (tracking.py) |
+| `result.json` | how the run stands or ended (`Result`, `Status`) | `update_result` only |
+| `checkpoints/` | Accelerate states, newest last (checkpoint.py) | the trainer |
+| `model/` | the final model, loadable by transformers | the task's export |
+| `logs/` | torchrun's and SLURM's output; `logs/errors/rank<R>.json`: a failed rank's own error | launchers, workers |
+| `slurm.json` | the SLURM job that runs it (cluster=slurm) | the SLURM backend |
+
+A sweep dir is a run dir of run dirs: `sweep.json` lists its points (`Point`), each a run dir below it,
+and the summary files (summary.py) are derived from those alone.
+
+Every file is replaced atomically (files.py), so an interrupted run never leaves a half-written one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
+from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
+from typing import Callable, TypedDict
 
 from xtrain import checkpoint
-from xtrain.config import ConfigError, RunConfig, to_yaml
+from xtrain.config import RunConfig, to_yaml
+from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
 
 RUN_CONFIG = "run.yaml"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
 MODEL = "model"
+LOGS = "logs"
+ERRORS_DIR = Path(LOGS) / "errors"
+SLURM_FILE = "slurm.json"
+SWEEP_FILE = "sweep.json"
+
+
+class Status(str, Enum):
+    """`result.json`'s `status`: every value any writer may record."""
+
+    running = "running"  # training started (or an attempt resumed) and has not ended
+    completed = "completed"  # trained `trainer.max_steps` steps and saved `model/`
+    failed = "failed"  # an error ended it (`error` says which); it can be resumed from its checkpoints
+    interrupted = "interrupted"  # stopped: on request at a step boundary with a checkpoint (`stop`), or at once
+    requeued = "requeued"  # stopped with a checkpoint; its SLURM job was requeued and will resume it
+    cancelled = "cancelled"  # its SLURM job was cancelled before the run could record an end
+    timeout = "timeout"  # its SLURM job reached its time limit before the run could record an end
+
+
+PENDING = "pending"  # what readers show for a run dir without result.json: written, not started
+ENDED = {Status.completed, Status.failed, Status.interrupted, Status.cancelled, Status.timeout}
+
+
+class Result(TypedDict, total=False):
+    """The fields of `result.json` that tools read (the trainer records more: throughput, memory, hosts)."""
+
+    status: Status
+    error: str  # one line: why it failed or stopped
+    steps: int  # optimizer steps done
+    max_steps: int
+    train_loss: float
+    val_loss: float
+    val_ppl: float
+    initial_val_loss: float
+    tokens_per_s: float
+    world_size: int
+    wall_time_s: float
+    stop: dict  # a stop at a step boundary: {"signal", "at", "step"}
+    restarts: list  # one entry per resume in this run dir (requeue or resume=auto): `continued`
+    steps_lost: int  # logged steps trained again after those restarts
+    slurm_state: str  # the SLURM job's end state, where it says more than `status`
+
+
+def read_result(run_dir: Path) -> dict:
+    """result.json, or {} before it is written."""
+    try:
+        return json.loads((Path(run_dir) / RESULT).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path):
+    """Writers of one run's result.json on this machine take turns (the read-merge-write is one step)."""
+    fd = os.open(run_dir, os.O_RDONLY)  # the lock is on the directory itself: no file of its own
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: still atomic, last writer wins
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def update_result(run_dir: Path, changes: dict, *, fresh: bool = False,
+                  only_if: Callable[[dict], bool] | None = None) -> dict:
+    """Merge `changes` into result.json (`fresh`: replace it), atomically; returns what is recorded.
+    `only_if(current)`: change nothing unless it holds for what is recorded now."""
+    status = changes.get("status")
+    assert status is None or status in Status._value2member_map_, f"not a result status: {status!r}"
+    with _locked(run_dir):
+        current = read_result(run_dir)
+        if only_if is not None and not only_if(current):
+            return current
+        merged = {**({} if fresh else current), **changes}
+        write_atomic(Path(run_dir) / RESULT, json.dumps(merged, indent=2) + "\n")
+        return merged
+
+
+def record_end(run_dir: Path, status: str, error: str, started_only: bool = False) -> None:
+    """How a run ended, in result.json, unless its trainer recorded an end already. `started_only`: only
+    for a run whose training had started (its result.json exists): a run that failed before can reuse its dir."""
+    if started_only and not (Path(run_dir) / RESULT).exists():
+        return
+    update_result(run_dir, {"status": Status(status).value, "error": error},
+                  only_if=lambda r: r.get("status") in (None, Status.running.value))
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -43,21 +149,6 @@ def prepare(cfg: RunConfig) -> Path:
     return run_dir
 
 
-def write_result(run_dir: Path, result: dict) -> None:
-    write_atomic(run_dir / RESULT, json.dumps(result, indent=2) + "\n")
-
-
-def record_end(run_dir: Path, status: str, error: str, started_only: bool = False) -> None:
-    """How a run ended, in result.json, unless its trainer recorded an end already. `started_only`: only
-    for a run whose training had started (its result.json exists): a run that failed before can reuse its dir."""
-    path = run_dir / RESULT
-    if started_only and not path.exists():
-        return
-    result = json.loads(path.read_text()) if path.exists() else {}
-    if result.get("status") in (None, "running"):
-        write_result(run_dir, {**result, "status": status, "error": error})
-
-
 def keep_metrics_until(run_dir: Path, step: int) -> int:
     """On resume: drop rows a killed run logged after the checkpoint it resumes from; the last step logged."""
     path = run_dir / METRICS
@@ -79,8 +170,7 @@ def keep_metrics_until(run_dir: Path, step: int) -> int:
 def continued(run_dir: Path, step: int, last_logged: int) -> dict:
     """What a run resumed in its own run dir carries over from the attempt before: its restarts, one more.
     Steps lost: those trained after the checkpoint resumed from (as far as metrics.jsonl shows them)."""
-    path = run_dir / RESULT
-    before = json.loads(path.read_text()) if path.exists() else {}
+    before = read_result(run_dir)
     stop = before.get("stop") or {}
     restart = {
         "at_step": step,
@@ -97,3 +187,51 @@ def continued(run_dir: Path, step: int, last_logged: int) -> dict:
     restarts = [*before.get("restarts", []), restart]
     carried = {key: before[key] for key in ("initial_val_loss",) if key in before}
     return {**carried, "restarts": restarts, "steps_lost": sum(r["steps_lost"] for r in restarts)}
+
+
+def first_rank_error(run_dir: Path) -> dict | None:
+    """The error of the rank that failed first (`logs/errors/rank<R>.json`), not one a failure ended."""
+    errors = []
+    for path in (Path(run_dir) / ERRORS_DIR).glob("rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    root = [e for e in errors if not e["terminated"]] or errors
+    return min(root, key=lambda e: e["time"]) if root else None
+
+
+# ---------------------------------------------------------------- a sweep dir
+
+
+@dataclass
+class Point:
+    """A sweep's point: its number, the swept settings that name it, its typed config (and so its run dir)."""
+
+    num: int
+    swept: list[str]  # this point's values of the settings that vary between points, as overrides
+    cfg: RunConfig
+
+    @property
+    def path(self) -> Path:
+        return Path(self.cfg.run_dir)
+
+    @property
+    def label(self) -> str:
+        return " ".join(self.swept) or "(no swept setting)"
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP_FILE).is_file()
+
+
+def sweep_points(sweep_dir: Path) -> list[dict]:
+    """sweep.json's entries: {"num", "dir" (the point's run dir, relative), "overrides" (the swept ones)}."""
+    return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())["points"]
+
+
+def add_sweep_points(sweep_dir: Path, points: list[Point]) -> None:
+    """Record points in sweep.json; a sweeper may launch its points in several batches: they join earlier ones."""
+    known = {e["num"]: e for e in (sweep_points(sweep_dir) if is_sweep_dir(sweep_dir) else [])}
+    known.update({p.num: {"num": p.num, "dir": p.path.name, "overrides": p.swept} for p in points})
+    write_atomic(Path(sweep_dir) / SWEEP_FILE, json.dumps({"points": [known[n] for n in sorted(known)]}, indent=2) + "\n")

@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 from xtrain import run_dir as rundir, summary
+from xtrain.slurm import monitor
 
 SHOWN = ["point", "status", "steps", "restarts", "train_loss", "val_loss", "tokens_per_s", "batch_sequences", "wall_time_s"]
 
 
 def table_text(table: list[dict], columns: list[str]) -> str:
-    cells = [[summary._fmt(r.get(c, "")) for c in columns] for r in table]
+    cells = [[summary.fmt(r.get(c, "")) for c in columns] for r in table]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
@@ -24,7 +25,7 @@ def table_text(table: list[dict], columns: list[str]) -> str:
 
 
 def sweep_status(sweep_dir: Path) -> str:
-    entries = summary.points(sweep_dir)
+    entries = rundir.sweep_points(sweep_dir)
     jobs = {e["dir"]: slurm_state(sweep_dir / e["dir"]) for e in entries}
     table = summary.write(sweep_dir)
     keys = summary.swept_keys(entries)
@@ -47,16 +48,14 @@ def sweep_status(sweep_dir: Path) -> str:
 def slurm_state(run_dir: Path) -> str | None:
     """The SLURM job of a run submitted with cluster=slurm, as SLURM sees it now; a job that ended without
     its run recording how (cancelled, timed out, a node lost) gets that recorded in result.json here."""
-    from xtrain import slurm
-
-    job = slurm.recorded_job(run_dir)
+    job = monitor.recorded_job(run_dir)
     if job is None:
         return None
     if shutil.which("squeue") is None:
         return f"job {job.job_id} (SLURM's commands are not on this machine's PATH)"
-    state = slurm.job_state(job)
-    if state.split()[0] not in slurm.ACTIVE and state != "unknown":
-        slurm.settle(job, state)
+    state = monitor.job_state(job)
+    if state.split()[0] not in monitor.ACTIVE and state != "unknown":
+        monitor.settle(job, state)
     return f"job {job.job_id}: {state}"
 
 
@@ -70,25 +69,23 @@ def run_status(run_dir: Path) -> str:
     names = ["train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"]
     for name in (["restarts", "steps_lost"] if row["restarts"] else []) + names:
         if row[name] != "":
-            lines.append(f"  {name:16} {summary._fmt(row[name])}")
+            lines.append(f"  {name:16} {summary.fmt(row[name])}")
     if row["error"]:
         lines.append(f"  error            {row['error']}")
     return "\n".join(lines)
 
 
 def main() -> None:
-    from xtrain.sweep import SWEEP_FILE
-
     if len(sys.argv) != 2:
         print("usage: python -m xtrain.status RUN_DIR_OR_SWEEP_DIR", file=sys.stderr)
         sys.exit(2)
     path = Path(sys.argv[1])
-    if (path / SWEEP_FILE).is_file():
+    if rundir.is_sweep_dir(path):
         print(sweep_status(path))
     elif (path / rundir.RUN_CONFIG).is_file():
         print(run_status(path))
     else:
-        print(f"xtrain.status: error: {path}: neither a run dir (run.yaml) nor a sweep dir ({SWEEP_FILE})",
+        print(f"xtrain.status: error: {path}: neither a run dir (run.yaml) nor a sweep dir ({rundir.SWEEP_FILE})",
               file=sys.stderr)
         sys.exit(2)
 

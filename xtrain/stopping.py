@@ -7,7 +7,7 @@ requeues itself). Which signals ask for this depends on the process:
 - the process that trains in-process (one process), and the driver of N workers: SIGTERM,
   SIGUSR1, SIGUSR2 (a spot instance's notice, SLURM's `--signal` warning, a workload manager);
 - a worker under torchrun: SIGUSR1, SIGUSR2 only; torchrun ends workers with SIGTERM when another
-  rank failed, and that must stop at once (`worker.Terminated`).
+  rank failed, and that must stop at once (`errors.Terminated`).
 
 A second request while the first is pending stops at once (KeyboardInterrupt), as a second Ctrl-C would
 (not in workers: their driver repeats the request until they end).
@@ -25,14 +25,6 @@ IN_WORKERS = (signal.SIGUSR1, signal.SIGUSR2)
 
 _request: dict = {}  # {"signal": "SIGUSR2", "at": epoch seconds} once asked
 _escalate = [True]
-
-
-class Stopped(Exception):
-    """A run stopped at a step boundary on request, with a complete checkpoint: resumable."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.exit_code = 128 + signum  # as a shell reports a process ended by that signal
 
 
 def requested() -> dict | None:

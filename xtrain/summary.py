@@ -26,12 +26,6 @@ COLUMNS = ["status", "steps", "restarts", "steps_lost", "train_loss", "val_loss"
            "batch_tokens", "world_size", "wall_time_s", "error"]
 
 
-def points(sweep_dir: Path) -> list[dict]:
-    from xtrain.sweep import SWEEP_FILE
-
-    return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())["points"]
-
-
 def swept_keys(entries: list[dict]) -> list[str]:
     keys: list[str] = []
     for entry in entries:
@@ -40,13 +34,6 @@ def swept_keys(entries: list[dict]) -> list[str]:
             if key not in keys:
                 keys.append(key)
     return keys
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def run_config(path: Path) -> dict:
@@ -73,13 +60,13 @@ def latest_train_row(path: Path) -> tuple:
 
 def run_row(path: Path) -> dict:
     """One run dir's figures (status `pending` where it has not started)."""
-    result = _read_json(path / rundir.RESULT)
+    result = rundir.read_result(path)
     cfg = run_config(path)
     row = {column: result.get(column, "") for column in COLUMNS}
-    row["status"] = result.get("status", "pending")
+    row["status"] = result.get("status", rundir.PENDING)
     row["restarts"] = len(result.get("restarts", []))  # resumed in its own run dir: requeues, resume=auto
     row["steps_lost"] = result.get("steps_lost", 0)
-    if row["status"] == "running":  # its progress so far
+    if row["status"] == rundir.Status.running:  # its progress so far
         row["steps"], row["train_loss"] = latest_train_row(path)
     if cfg:
         world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
@@ -90,7 +77,7 @@ def run_row(path: Path) -> dict:
 
 
 def rows(sweep_dir: Path) -> list[dict]:
-    entries = points(sweep_dir)
+    entries = rundir.sweep_points(sweep_dir)
     keys = swept_keys(entries)
     out = []
     for entry in entries:
@@ -104,7 +91,7 @@ def best(table: list[dict]) -> dict | None:
     return min(done, key=lambda r: r["val_loss"]) if done else None
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
     if isinstance(value, float):  # losses to 4 decimals, ppl and seconds to 2, throughput whole
         return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
     return str(value)
@@ -123,7 +110,7 @@ def markdown(sweep_dir: Path, table: list[dict]) -> str:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for r in table:
-        cells = [_fmt(r[h]).replace("|", "/") for h in header]
+        cells = [fmt(r[h]).replace("|", "/") for h in header]
         if r is top:
             cells[0] = f"**{cells[0]}** (best)"
         lines.append("| " + " | ".join(cells) + " |")
@@ -175,7 +162,7 @@ def plot(sweep_dir: Path, table: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = swept_keys(points(sweep_dir))
+    keys = swept_keys(rundir.sweep_points(sweep_dir))
     grid = 0 < len(keys) <= 2
     fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 7, 4.8), squeeze=False)
     curves = axes[0][0]
@@ -195,9 +182,7 @@ def plot(sweep_dir: Path, table: list[dict]) -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
-    tmp = Path(sweep_dir) / f".{PLOT}.tmp"
-    tmp.write_bytes(buffer.getvalue())
-    tmp.replace(Path(sweep_dir) / PLOT)
+    write_atomic(Path(sweep_dir) / PLOT, buffer.getvalue())
 
 
 def _ordered(values: list[str]) -> list[str]:

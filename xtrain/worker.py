@@ -20,17 +20,17 @@ from pathlib import Path
 import yaml
 
 from xtrain import stopping
-from xtrain.config import ConfigError, Diverged
-
-ERRORS_DIR = Path("logs") / "errors"
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM from the launcher: another rank failed, or the user stopped the run. An interruption, like
-    Ctrl-C: `except Exception` in library code does not swallow it, and result.json says `interrupted`."""
+from xtrain.errors import ConfigError, Diverged, Terminated
+from xtrain.files import write_atomic
+from xtrain.run_dir import ERRORS_DIR
 
 
-def _on_sigterm(signum, frame):
+def configure_logging() -> None:
+    """The driver's (Hydra's) logging config, for processes Hydra did not start."""
+    logging.config.dictConfig(yaml.safe_load((files("xtrain.conf") / "hydra/job_logging/xtrain.yaml").read_text()))
+
+
+def on_sigterm(signum, frame):
     raise Terminated("stopped by SIGTERM (another rank failed, or the run was stopped)")
 
 
@@ -47,7 +47,7 @@ def summarize(err: BaseException, timeout_s: int | None) -> str:
 def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | None) -> None:
     path = run_dir / ERRORS_DIR / f"rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
+    write_atomic(path, json.dumps({
         "rank": rank,
         "time": time.time(),
         "config_error": isinstance(err, ConfigError),
@@ -61,15 +61,14 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
 def main() -> None:
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
-    # the driver's (Hydra's) logging config, quieter on ranks other than 0
-    logging.config.dictConfig(yaml.safe_load((files("xtrain.conf") / "hydra/job_logging/xtrain.yaml").read_text()))
+    configure_logging()  # quieter on ranks other than 0
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, on_sigterm)
     timeout_s = None
     try:
         from xtrain import config, run_dir as rundir
-        from xtrain.trainer import train
+        from xtrain.loop import train
 
         timeout_s = config.load(str(run_dir / rundir.RUN_CONFIG)).cluster.timeout_s
         with stopping.on(stopping.IN_WORKERS, escalate=False):  # SIGTERM stays Terminated: torchrun stops ranks with it

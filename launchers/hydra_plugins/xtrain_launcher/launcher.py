@@ -1,9 +1,9 @@
 """`hydra/launcher=xtrain` (local; xtrain's default) and `hydra/launcher=xtrain_slurm` (one SLURM job array).
 
-For xtrain's own runs both hand the points to `xtrain.sweep`: every point is composed and
-validated and its run dir written before the first one runs or is queued; failures are recorded
-and the sweep goes on; the sweep dir gets its summary after every point. They differ only in
-where a point runs. Any other Hydra app under `xtrain_slurm` runs as hydra-submitit-launcher
+For xtrain's own runs both hand the points to `xtrain.sweep` with their backend
+(`xtrain.backends.local`, `xtrain.backends.slurm`): every point is composed and validated and its run
+dir written before the first one runs or is queued; failures are recorded and the sweep goes on; the
+sweep dir gets its summary after every point. They differ only in the backend, where a point runs. Any other Hydra app under `xtrain_slurm` runs as hydra-submitit-launcher
 runs it: each job on one node, through submitit.
 """
 
@@ -43,62 +43,48 @@ class _XtrainLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from xtrain import sweep
+        from xtrain.errors import ConfigError
 
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
         overrides = [list(o) for o in job_overrides]
         points = sweep.plan_points(overrides, self.compose, self.sweep_dir, initial_job_idx)
-        self.check_points(points)
-        todo = sweep.prepare_all(points, self.sweep_dir)
-        self.run_points(points, todo)  # raises SweepFailed if any point failed
+        for point in points:
+            if point.cfg.cluster.kind.value != self.cluster_kind:
+                raise ConfigError(f"point {point.num} ({point.label}): cluster.kind={point.cfg.cluster.kind.value} "
+                                  f"under hydra/launcher={self.name}, {self.wrong_kind}")
+        backend = self.backend()
+        backend.check_points(points, **self.options)
+        todo = sweep.prepare_all(points, self.sweep_dir, backend)
+        sweep.run(points, todo, self.sweep_dir, backend, **self.options)  # raises SweepFailed if any point failed
         return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
                           status=JobStatus.COMPLETED, _return_value=sweep.final_val_loss(p.path))
                 for o, p in zip(overrides, points)]
 
-    def check_points(self, points: list) -> None:
-        raise NotImplementedError
-
-    def run_points(self, points: list, todo: list) -> None:
-        raise NotImplementedError
-
 
 class LocalLauncher(_XtrainLauncher):
+    name, cluster_kind = "xtrain", "local"
+    wrong_kind = "which runs points here; use cluster=slurm (it selects hydra/launcher=xtrain_slurm)"
+
     def __init__(self, n_jobs: int = 1) -> None:
-        self.n_jobs = n_jobs
+        self.options = {"n_jobs": n_jobs}
 
-    def check_points(self, points: list) -> None:
-        from xtrain import hardware, sweep
-        from xtrain.config import ClusterKind, ConfigError
+    def backend(self):
+        from xtrain.backends import local
 
-        for point in points:
-            if point.cfg.cluster.kind is ClusterKind.slurm:
-                raise ConfigError(f"point {point.num} ({point.label}): cluster.kind=slurm under hydra/launcher=xtrain, "
-                                  "which runs points here; use cluster=slurm (it selects hydra/launcher=xtrain_slurm)")
-        sweep.check_parallel(points, self.n_jobs, hardware.visible_gpus())
-
-    def run_points(self, points: list, todo: list) -> None:
-        from xtrain import sweep
-
-        sweep.run_all(points, todo, self.sweep_dir, self.n_jobs)
+        return local
 
 
 class SlurmLauncher(_XtrainLauncher):
+    name, cluster_kind = "xtrain_slurm", "slurm"
+    wrong_kind = "which submits to SLURM; use cluster=slurm"
+
     def __init__(self, array_parallelism: int = 256) -> None:
-        self.array_parallelism = array_parallelism
+        self.options = {"array_parallelism": array_parallelism}
 
-    def check_points(self, points: list) -> None:
-        from xtrain.config import ClusterKind, ConfigError
+    def backend(self):
+        from xtrain.backends import slurm
 
-        if self.array_parallelism < 1:
-            raise ConfigError(f"hydra.launcher.array_parallelism={self.array_parallelism}: must be >= 1")
-        for point in points:
-            if point.cfg.cluster.kind is not ClusterKind.slurm:
-                raise ConfigError(f"point {point.num} ({point.label}): cluster.kind={point.cfg.cluster.kind.value} "
-                                  "under hydra/launcher=xtrain_slurm, which submits to SLURM; use cluster=slurm")
-
-    def run_points(self, points: list, todo: list) -> None:
-        from xtrain import slurm
-
-        slurm.run_sweep(points, todo, self.sweep_dir, self.array_parallelism)
+        return slurm
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         if self.runs_xtrain:
@@ -110,17 +96,17 @@ class SlurmLauncher(_XtrainLauncher):
         hydra-submitit-launcher; the job's outcome comes back through submitit's result files."""
         import logging
 
-        from xtrain import slurm
+        from xtrain.slurm import submit
 
         log = logging.getLogger(__name__)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         params = {"job_name": str(self.config.hydra.job.name), "nodes": 1, "ntasks_per_node": 1,
-                  "array_parallelism": self.array_parallelism, "stderr_to_stdout": True}
+                  "array_parallelism": self.options["array_parallelism"], "stderr_to_stdout": True}
         args = []
         for idx, overrides in enumerate(job_overrides, initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
             args.append((list(overrides), idx, Singleton.get_state()))
-        executor = slurm.executor(self.sweep_dir / slurm.LOGS, params)
+        executor = submit.executor(self.sweep_dir / "logs", params)
         jobs = executor.map_array(_HydraJob(self.hydra_context, self.task_function, self.config), *zip(*args))
         return [job.results()[0] for job in jobs]
 

@@ -1,9 +1,10 @@
 """The training loop: one Accelerate loop over a run dir's resolved config.
 
-`train(run_dir)` reads `run.yaml` (never composes config), builds the Accelerator, the
-model, data, optimizer and schedule, resumes if asked, trains for `trainer.max_steps`
-optimizer steps with periodic logging, evaluation and checkpoints, and saves the final
-model. Every rank runs this same function.
+`train(run_dir)` reads `run.yaml` (never composes config), builds the Accelerator (accelerator.py),
+the task's model and data (tasks/), the optimizer and schedule, resumes if asked, trains for
+`trainer.max_steps` optimizer steps with periodic logging, evaluation and checkpoints, and has the task
+export the final model. Every rank runs this same function. What a batch means (its loss, its tokens,
+the eval) is the task's: the loop knows nothing of causal LMs.
 """
 
 from __future__ import annotations
@@ -15,135 +16,26 @@ import shutil
 import socket
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import torch
-import torch.nn.functional as F
-from accelerate import Accelerator, PartialState
-from accelerate.utils import (
-    DataLoaderConfiguration,
-    DistributedType,
-    GradientAccumulationPlugin,
-    InitProcessGroupKwargs,
-    ProjectConfiguration,
-    set_seed,
-)
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, data, hardware, model as models, plan, plugins, run_dir as rundir, stopping, tracking
+from xtrain import checkpoint, config, hardware, plan, plugins, run_dir as rundir, stopping, tasks, tracking
+from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig
+from xtrain.errors import ConfigError, Diverged
 from xtrain.files import replace_dir
+from xtrain.optim import build_optimizer, lr_factor
+from xtrain.run_dir import Status
 
 log = logging.getLogger("xtrain")
-
-
-class _DropNote(logging.Filter):
-    """A library's note that is expected here and that a user cannot act on."""
-
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-# at every save: tied embeddings are stored once
-logging.getLogger("accelerate.utils.other").addFilter(_DropNote("Removed shared tensor"))
-# when EOS (= pad id) starts or ends a block: xtrain packs documents into full blocks, nothing is padded
-logging.getLogger("transformers.modeling_utils").addFilter(_DropNote("We strongly recommend passing in an `attention_mask`"))
-# DeepSpeed 0.19 calls these at every ZeRO step, and torch 2.13 warns each time
-warnings.filterwarnings(
-    "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated", FutureWarning
-)
-
-def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
-    kwargs = plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg))
-    # a collective that waits longer than this (a stuck or dead rank) raises instead of hanging
-    timeout = timedelta(seconds=cfg.cluster.timeout_s)
-    cpu_zero = hardware.zero_on_cpu(cfg)
-    process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
-    if hardware.fsdp_on_cpu(cfg):
-        _present_cpu_as_accelerator(kwargs["fsdp_plugin"], timeout)
-    accelerator = Accelerator(
-        # Without cpu=True a CUDA-less multi-process launch silently trains N independent models;
-        # with it, Accelerate ignores a DeepSpeed plugin (ZeRO on CPU brings its own gloo group instead).
-        cpu=not torch.cuda.is_available() and not cpu_zero,
-        kwargs_handlers=[*kwargs.pop("kwargs_handlers", []), process_group],
-        **kwargs,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=cfg.trainer.grad_accum, sync_with_dataloader=False
-        ),
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.trainer.seed),
-        # The schedule is defined in optimizer steps; it is stepped by hand, and not after a skipped step.
-        step_scheduler_with_optimizer=False,
-        log_with=tracking.log_with(cfg, run_dir),
-        project_config=ProjectConfiguration(
-            project_dir=str(run_dir), logging_dir=str(run_dir / tracking.TENSORBOARD_DIR)
-        ),
-    )
-    if hardware.fp16_on_cpu(cfg):
-        # Test seam (`XTRAIN_TEST_FP16_ON_CPU`): what Accelerate sets up for fp16 on a GPU, on the CPU. The
-        # scale starts high enough that the first steps overflow for real, so the skip path runs.
-        accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
-    return accelerator
-
-
-def _present_cpu_as_accelerator(fsdp_plugin, timeout: timedelta) -> None:
-    """Test seam (`XTRAIN_TEST_FSDP_ON_CPU`): the gloo group a CPU run gets, presented as an accelerator
-    group, since only then does Accelerate take its FSDP branch. FSDP2 runs over gloo as it is; the
-    one other difference from a GPU run is unpinned host memory for cpu_offload (pinning needs a GPU)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    PartialState(cpu=True, timeout=timeout, backend="gloo")
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
-    if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy):  # strategy.cpu_offload=true (else OffloadPolicy())
-        fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
-
-
-def check_setup(cfg: RunConfig, distributed_type: DistributedType, num_processes: int) -> None:
-    """Accelerate falls back silently (FSDP to DDP, N processes to N lone ones): train only what was asked."""
-    strategy, world = cfg.strategy.name, cfg.cluster.world_size
-    if strategy is config.Strategy.fsdp:
-        wanted = {DistributedType.FSDP}
-    elif plugins.is_zero(cfg):
-        wanted = {DistributedType.DEEPSPEED}
-    elif world > 1:
-        wanted = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
-    else:
-        wanted = {DistributedType.NO}
-    if distributed_type not in wanted or num_processes != world:
-        raise RuntimeError(
-            f"strategy={strategy.value} on {world} process(es): Accelerate set up {distributed_type.value} on "
-            f"{num_processes}; stopping rather than training something else"
-        )
-
-
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not on biases, norms)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3 params are flat 1-d shards
-    groups = [
-        {"params": [p for p in params if id(p) in matrix], "weight_decay": cfg.trainer.weight_decay},
-        {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def lr_factor(step: int, cfg: RunConfig) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `max_steps`."""
-    t = cfg.trainer
-    if step < t.warmup_steps:
-        return (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
-    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def micro_batches(accelerator: Accelerator, loader, start: int):
@@ -157,39 +49,12 @@ def micro_batches(accelerator: Accelerator, loader, start: int):
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, model, loader) -> float:
-    """Mean next-token loss over the whole validation split (every block has the same length)."""
+def evaluate(accelerator: Accelerator, task: tasks.Task, model, loader) -> float:
+    """The task's per-example eval loss, averaged over the whole validation split (every rank's part)."""
     model.eval()
-    losses = []
-    for batch in loader:
-        ids = batch["input_ids"]
-        logits = model(input_ids=ids).logits.float()
-        per_token = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-        losses.append(accelerator.gather_for_metrics(per_token.view(ids.shape[0], -1).mean(dim=1)))
+    losses = [accelerator.gather_for_metrics(task.eval_losses(model, batch)) for batch in loader]
     model.train()
     return torch.cat(losses).mean().item()
-
-
-def fsdp_units(model: torch.nn.Module) -> dict[str, int]:
-    """What FSDP sharded as units, by the class of the wrapped module; `activation_checkpointed`: layers
-    recomputed in backward. Recorded in result.json: the wrap policy as it was applied, not as it was asked."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    units: dict[str, int] = {}
-    for module in model.modules():
-        if isinstance(module, FullyShardedDataParallel):  # FSDP1 wraps; FSDP2 changes the class in place
-            module = module.module
-        elif not isinstance(module, FSDPModule):
-            continue
-        if isinstance(module, CheckpointWrapper):
-            if isinstance(module._checkpoint_wrapped_module, FSDPModule):
-                continue  # Accelerate shards both the wrapper and the layer inside: one unit, counted once
-            module = module._checkpoint_wrapped_module
-        name = next(c.__name__ for c in type(module).__mro__ if not issubclass(c, (FSDPModule, CheckpointWrapper)))
-        units[name] = units.get(name, 0) + 1
-    checkpointed = sum(isinstance(m, CheckpointWrapper) for m in model.modules())
-    return {**units, "activation_checkpointed": checkpointed} if checkpointed else units
 
 
 @dataclass
@@ -201,10 +66,11 @@ class Components:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     train_loader: DataLoader
     val_loader: DataLoader
-    tokenizer: object
+    task: tasks.Task
     n_params: int
     n_train: int
     n_val: int
+    unit: str  # what one example is, for the log line: "blocks of 128 tokens"
 
 
 @dataclass
@@ -228,14 +94,10 @@ class Progress:
     last_finite: tuple[int, float] | None = None
 
 
-def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
+def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task) -> Components:
     t = cfg.trainer
-    with accelerator.main_process_first():  # tokenizer training and tokenization happen once, then hit the cache
-        corpus = data.load_corpus(cfg.data)
-        tokenizer = data.tokenizer_for(corpus, cfg.model, cfg.data)
-        train_set, val_set = data.pack(corpus, tokenizer, cfg.data)
-    # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
-    model = models.build(cfg.model, tokenizer, cfg.data.block_size)
+    built = task.build(accelerator)
+    model, train_set, val_set = built.model, built.train_set, built.val_set
     model.train()
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
@@ -246,8 +108,9 @@ def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
     )
     val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
     if len(train_loader) == 0:
-        raise config.ConfigError(
-            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training blocks; use a smaller batch"
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training {built.unit}; "
+            "use a smaller batch"
         )
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 leaves numel() 0
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
@@ -255,7 +118,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator) -> Components:
     )
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
-        tokenizer=tokenizer, n_params=n_params, n_train=len(train_set), n_val=len(val_set),
+        task=task, n_params=n_params, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
     )
 
 
@@ -290,14 +153,14 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
     """result.json as the loop starts (status `running`), and the run's header line."""
     t, world = cfg.trainer, accelerator.num_processes
     log.info(
-        "model %.2fM params | %d train / %d val blocks of %d tokens | world %d | %s | effective batch %d sequences",
-        c.n_params / 1e6, c.n_train, c.n_val, cfg.data.block_size, world,
+        "model %.2fM params | %d train / %d val %s | world %d | %s | effective batch %d sequences",
+        c.n_params / 1e6, c.n_train, c.n_val, c.unit, world,
         accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
     )
     if resume_from is not None:
         log.info("resumed from %s at step %d", resume_from, start_step)
     result = {
-        "status": "running", "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
         "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
@@ -314,7 +177,11 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
 
 
 def train(run_dir: str | Path) -> dict:
-    run_dir = Path(run_dir)
+    with library_notes_quieted():
+        return _train(Path(run_dir))
+
+
+def _train(run_dir: Path) -> dict:
     cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
     t = cfg.trainer
     # from the driver's start when it launched this worker, else from this process's start
@@ -330,7 +197,7 @@ def train(run_dir: str | Path) -> dict:
     resume_from = checkpoint.resolve(resume_setting(cfg, run_dir), run_dir, checkpoint.identity(cfg))
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
-    c = build_components(cfg, accelerator)
+    c = build_components(cfg, accelerator, tasks.for_config(cfg))
 
     progress, last_logged = restore(accelerator, resume_from, run_dir)
     start_step = progress.step
@@ -340,11 +207,11 @@ def train(run_dir: str | Path) -> dict:
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged))
-        rundir.write_result(run_dir, result)
+        rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
 
-    train_start = time.time()
+    train_start, tokens_at_start = time.time(), progress.tokens_seen
     if start_step == 0:
-        result["initial_val_loss"] = run_eval(accelerator, c.model, c.val_loader, 0)
+        result["initial_val_loss"] = run_eval(accelerator, c, 0)
     batches = _recording_first_batch(
         micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
@@ -357,35 +224,36 @@ def train(run_dir: str | Path) -> dict:
             stop = run_steps(accelerator, cfg, c, batches, progress, result, run_dir, bar, process_start)
         wall = time.time() - train_start
         if stop is None:
-            save_model(accelerator, c.model, c.tokenizer, run_dir)
+            save_model(accelerator, c, run_dir)
     except BaseException as err:
-        result["status"] = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+        result["status"] = Status.interrupted if isinstance(err, KeyboardInterrupt) else Status.failed
         result["error"] = f"{type(err).__name__}: {err}"
         if accelerator.is_main_process:
-            rundir.write_result(run_dir, result)
+            rundir.update_result(run_dir, result)
         raise
     finally:
         bar.close()
 
     accelerator.end_training()
-    return finish(cfg, accelerator, result, stop, run_dir, (progress.step - start_step) / wall, process_start, wall)
+    return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
+                  process_start, wall)
 
 
 def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
-           steps_per_s: float, process_start: float, wall: float) -> dict:
+           tokens_per_s: float, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     if torch.cuda.is_available():
         result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
     result.update(
-        status="completed" if stop is None else "interrupted",
-        tokens_per_s=steps_per_s * tokens_per_step(cfg, accelerator),
+        status=Status.completed if stop is None else Status.interrupted,
+        tokens_per_s=tokens_per_s,
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
     if stop is not None:
         result.update(stop=stop, error=f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved")
     if accelerator.is_main_process:
-        rundir.write_result(run_dir, result)
+        rundir.update_result(run_dir, result)
         if stop is None:
             log.info(
                 "done: %d steps | val loss %.4f (ppl %.1f) | %.0f tokens/s | %s",
@@ -394,20 +262,14 @@ def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | 
     return result
 
 
-def tokens_per_step(cfg: RunConfig, accelerator: Accelerator) -> int:
-    t = cfg.trainer
-    return t.batch_size * t.grad_accum * cfg.data.block_size * accelerator.num_processes
-
-
 def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, p: Progress, result: dict,
               run_dir: Path, bar, process_start: float) -> dict | None:
     """Optimizer steps up to `max_steps`, with logs, evals and checkpoints. A stop request (any rank's)
     ends them at the step boundary, with a checkpoint of that step: returns the request."""
     t = cfg.trainer
-    per_step = tokens_per_step(cfg, accelerator)
     for step in range(p.step + 1, t.max_steps + 1):
-        loss_sum = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
-        loss, stop = agree_on_step(accelerator, loss_sum, t.grad_accum, step, p.last_finite, cfg)
+        loss_sum, tokens = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+        loss, per_step, stop = agree_on_step(accelerator, loss_sum, tokens, t.grad_accum, step, p.last_finite, cfg)
         p.step, p.last_finite = step, (step, loss)
         p.skipped += accelerator.optimizer_step_was_skipped
         p.window.loss_sum += loss
@@ -447,7 +309,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = Window()
     if step % t.eval_every == 0 or last:
-        result["val_loss"] = run_eval(accelerator, c.model, c.val_loader, step)
+        result["val_loss"] = run_eval(accelerator, c, step)
         result["val_ppl"] = math.exp(result["val_loss"])
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
@@ -462,13 +324,14 @@ def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: 
 
 
 def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
-    """One optimizer step over `grad_accum` micro-batches; returns their summed loss. The schedule counts
-    optimizer steps taken: a step the loss scaler skipped (fp16 overflow) does not advance it."""
-    loss_sum = torch.zeros((), device=accelerator.device)
+    """One optimizer step over `grad_accum` micro-batches; returns their summed loss and this rank's tokens.
+    The schedule counts optimizer steps taken: a step the loss scaler skipped (fp16 overflow) does not advance it."""
+    loss_sum, tokens = torch.zeros((), device=accelerator.device), 0
     for _ in range(grad_accum):
         batch = next(batches)
+        tokens += c.task.tokens(batch)
         with accelerator.accumulate(c.model):
-            loss = c.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+            loss = c.task.loss(c.model, batch)
             accelerator.backward(loss)
             if accelerator.sync_gradients and max_grad_norm > 0:
                 accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
@@ -477,23 +340,25 @@ def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum:
         loss_sum += loss.detach()
     if not accelerator.optimizer_step_was_skipped:
         c.scheduler.step()
-    return loss_sum
+    return loss_sum, tokens
 
 
-def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, grad_accum: int, step: int,
-                  last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, bool]:
-    """One all-reduce after each step: its mean loss over micro-batches and ranks, and whether any rank was
-    asked to stop. A NaN or infinite loss stops the run at once, on every rank alike (all see the mean)."""
-    asked = torch.tensor(float(stopping.requested() is not None), device=loss_sum.device)
-    mean_loss_sum, stop = accelerator.reduce(torch.stack([loss_sum.float(), asked]), "mean").tolist()
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, tokens: int, grad_accum: int, step: int,
+                  last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, int, bool]:
+    """One all-reduce after each step: its mean loss over micro-batches and ranks, the tokens every rank
+    trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
+    every rank alike (all see the mean)."""
+    asked = float(stopping.requested() is not None)
+    own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(tokens)], device=loss_sum.device)])
+    mean_loss_sum, stop, mean_tokens = accelerator.reduce(own, "mean").tolist()
     loss = mean_loss_sum / grad_accum
     if not math.isfinite(loss):
         before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
-        raise config.Diverged(
+        raise Diverged(
             f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
             f"(now {cfg.trainer.lr:g}) or raise trainer.warmup_steps (now {cfg.trainer.warmup_steps})"
         )
-    return loss, stop > 0
+    return loss, round(mean_tokens * accelerator.num_processes), stop > 0
 
 
 def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, tokens_seen: int, skipped: int) -> float:
@@ -512,33 +377,30 @@ def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, to
     return train_loss
 
 
-def run_eval(accelerator: Accelerator, model, loader, step: int) -> float:
-    val_loss = evaluate(accelerator, model, loader)
+def run_eval(accelerator: Accelerator, c: Components, step: int) -> float:
+    val_loss = evaluate(accelerator, c.task, c.model, c.val_loader)
     accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
     log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
     return val_loss
 
 
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
-    """Record which data each rank got first (its token sum): the shards must differ."""
+    """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
-    result["first_batch_token_sums"] = accelerator.gather(batch["input_ids"].sum().reshape(1)).tolist()
+    ids = sum(value.sum() for value in batch.values() if torch.is_tensor(value))
+    result["first_batch_token_sums"] = accelerator.gather(ids.reshape(1)).tolist()
     yield batch
     yield from batches
 
 
-def save_model(accelerator: Accelerator, model, tokenizer, run_dir: Path) -> None:
-    """`save_pretrained` (safetensors) + tokenizer into model/, replacing it atomically."""
-    from transformers.utils import logging as hf_logging
-
-    state_dict = accelerator.get_state_dict(model)
+def save_model(accelerator: Accelerator, c: Components, run_dir: Path) -> None:
+    """The task's export into model/, replacing it (files.replace_dir)."""
+    state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
     if not accelerator.is_main_process:
         return
-    hf_logging.disable_progress_bar()  # a one-shard progress bar, in the middle of the log
     tmp = run_dir / f".tmp-{rundir.MODEL}"
     shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    c.task.export(accelerator.unwrap_model(c.model), state_dict, tmp)
     replace_dir(tmp, run_dir / rundir.MODEL)
 
 

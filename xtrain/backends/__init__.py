@@ -1,0 +1,26 @@
+"""Where runs run: `local` (this machine) and `slurm` (a SLURM cluster), chosen by `cluster.kind`.
+
+Each backend module has the same entry points, and takes run dirs that launch.py wrote already:
+
+- `check(cfg)`: what only this backend can check (a SLURM partition's nodes), before `launch.preflight`;
+- `run(cfg) -> dict`: one run (the CLI's): check, write the run dir, run it, return its result;
+- `check_points(points, **options)` and `run_points(points, sweep_dir, on_end, **options) -> bool`: a sweep's
+  written points, `on_end(point)` as each ends; False where they were left running (not waited for).
+
+The sweep (sweep.py) drives `run_points`; no backend imports the sweep.
+"""
+
+from __future__ import annotations
+
+from xtrain.config import ClusterKind
+
+
+def for_cluster(kind: ClusterKind):
+    """The backend module for `cluster.kind`."""
+    if kind is ClusterKind.slurm:
+        from xtrain.backends import slurm
+
+        return slurm
+    from xtrain.backends import local
+
+    return local

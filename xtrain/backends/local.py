@@ -1,0 +1,229 @@
+"""The local backend: runs on this machine, in this process or in N worker processes under torchrun;
+a sweep's points one after another in the driver, or several at once, each in a process of its own.
+
+`python -m xtrain.backends.local RUN_DIR` trains a run dir that was written already (a parallel sweep
+point). Exit 0 done, 1 failed, 2 a config error, 130 interrupted, 128+N stopped by signal N at a step
+boundary (resumable).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from xtrain import config, hardware, launch, multiprocess, plan, run_dir as rundir, stopping
+from xtrain.config import RunConfig, Strategy
+from xtrain.errors import ConfigError, Stopped, one_line
+from xtrain.run_dir import Point
+
+log = logging.getLogger("xtrain")
+
+
+def check(cfg: RunConfig) -> None:
+    """Nothing beyond `launch.preflight`: this machine is the cluster."""
+
+
+def run(cfg: RunConfig) -> dict:
+    """The CLI's single run: check, write the run dir, train (or print the plan: dry_run)."""
+    started = time.time()
+    if cfg.dry_run:
+        the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
+        print(plan.render(the_plan))
+        return {"dry_run": True, "fits": the_plan.fits}
+    return run_here(cfg, launch.prepare(cfg, started))
+
+
+def run_here(cfg: RunConfig, path: Path) -> dict:
+    """Train a written run dir on this node: in this process, or N workers under torchrun. A run stopped on
+    request (SIGTERM, SIGUSR1/2) at a step boundary raises `Stopped`."""
+    log.info("run dir: %s", path)
+    # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
+    # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
+    if cfg.cluster.world_size == 1 and cfg.strategy.name is Strategy.ddp:
+        from xtrain.loop import train
+
+        with stopping.on(stopping.GRACEFUL):
+            result = train(path)
+    else:
+        log.info(
+            "launching %d x %d processes (node %d), %d CPU threads each",
+            cfg.cluster.nodes, cfg.cluster.processes_per_node, cfg.cluster.node_rank,
+            multiprocess.threads_per_process(cfg.cluster.processes_per_node),
+        )
+        result = multiprocess.run(cfg, path)
+    stop = result.get("stop") if result.get("status") == rundir.Status.interrupted else None
+    if stop:
+        raise Stopped(
+            f"stopped by {stop['signal']} at step {stop['step']} with a checkpoint; to continue, run the same command with "
+            f"run_dir={path} resume=auto", getattr(signal.Signals, stop["signal"], signal.SIGTERM),
+        )
+    return result
+
+
+def run_recorded(cfg: RunConfig, path: Path) -> dict:
+    """`run_here`, and whatever ends it is in result.json (a run that fails before training starts writes none)."""
+    try:
+        return run_here(cfg, path)
+    except BaseException as err:
+        interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "exit_code", 1) >= 128
+        rundir.record_end(path, rundir.Status.interrupted if interrupted else rundir.Status.failed, one_line(err))
+        raise
+
+
+# ---------------------------------------------------------------- a sweep's points
+
+
+def check_points(points: list[Point], *, n_jobs: int = 1) -> None:
+    check_parallel(points, n_jobs, hardware.visible_gpus() if n_jobs > 1 else 0)
+
+
+def check_parallel(points: list[Point], n_jobs: int, gpus: int) -> None:
+    """With GPUs, N points at once each get gpus // N of them: refuse what would not fit (never run on fewer)."""
+    if n_jobs < 1:
+        raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: must be >= 1")
+    if n_jobs == 1 or not gpus:
+        return
+    if n_jobs > gpus:
+        raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: this machine has {gpus} GPU(s); "
+                          f"run at most {gpus} points at once")
+    for point in points:
+        if point.cfg.cluster.processes_per_node > gpus // n_jobs:
+            raise ConfigError(
+                f"point {point.num} ({point.label}): cluster.num_processes={point.cfg.cluster.num_processes}: "
+                f"with hydra.launcher.n_jobs={n_jobs} each point gets {gpus // n_jobs} of the {gpus} GPUs; "
+                f"set cluster.num_processes<={gpus // n_jobs} or lower hydra.launcher.n_jobs"
+            )
+
+
+def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], None], *, n_jobs: int = 1) -> bool:
+    """Run already-written points, `on_end` each as it ends (its outcome is in its result.json). A point that
+    fails is recorded and the others go on; a signal to this driver stops them (KeyboardInterrupt)."""
+    if n_jobs > 1:
+        log.info("%d points at a time", n_jobs)
+    # What is alive now (modules, configs) lives as long as the sweep: leave it out of the collections
+    # that free each point's memory after it (a full collection over it costs ~0.2 s a point)
+    gc.freeze()
+    if n_jobs == 1:
+        for i, point in enumerate(points, 1):
+            log.info("point %d (%d/%d): %s", point.num, i, len(points), point.label)
+            try:
+                run_in_driver(point)
+            except Exception as err:  # recorded in its result.json; the sweep goes on, unless stopped
+                if getattr(err, "exit_code", 1) >= 128:  # its workers were stopped by a signal
+                    raise KeyboardInterrupt from err
+            on_end(point)
+    else:
+        with stopping.on(stopping.GRACEFUL):
+            _run_parallel(points, on_end, n_jobs)
+    return True
+
+
+def run_in_driver(point: Point) -> None:
+    """Train the point in this process, then free what it held before the next one."""
+    os.environ["XTRAIN_LAUNCH_TIME"] = str(time.time())  # its wall time and time to first step: its own
+    try:
+        run_recorded(point.cfg, point.path)
+    finally:
+        del os.environ["XTRAIN_LAUNCH_TIME"]
+        release_memory()
+
+
+def release_memory() -> None:
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _slots(n_jobs: int) -> list[dict]:
+    """Each parallel slot's own GPUs (CUDA_VISIBLE_DEVICES) or, without GPUs, its own share of the cores."""
+    gpus = hardware.visible_gpus()
+    if gpus:
+        per = gpus // n_jobs
+        return [{"gpus": list(range(i * per, (i + 1) * per))} for i in range(n_jobs)]
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n_jobs)
+    return [{"cores": cores[(i * per) % len(cores):][:per]} for i in range(n_jobs)]
+
+
+def start_in_slot(point: Point, slot: dict) -> subprocess.Popen:
+    """The point in a process of its own (`python -m xtrain.backends.local RUN_DIR`), pinned to its slot."""
+    env = {k: v for k, v in os.environ.items() if k != "XTRAIN_LAUNCH_TIME"}
+    preexec = None
+    if "gpus" in slot:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot["gpus"]))
+    else:
+        env["OMP_NUM_THREADS"] = str(len(slot["cores"]))
+        cores = slot["cores"]
+
+        def preexec():
+            os.sched_setaffinity(0, cores)
+
+    log_path = point.path / rundir.LOGS / "point.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as out:
+        return subprocess.Popen([sys.executable, "-m", "xtrain.backends.local", str(point.path)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=preexec, start_new_session=True)
+
+
+def _run_parallel(points: list[Point], on_end: Callable[[Point], None], n_jobs: int) -> None:
+    queue, free, running = list(points), _slots(n_jobs), {}
+    forwarded = False
+    try:
+        while queue or running:
+            if stopping.requested() and not forwarded:  # each running point stops at a step boundary
+                queue, forwarded = [], True
+                for proc in running:
+                    proc.send_signal(signal.SIGTERM)
+            while queue and free:
+                point, slot = queue.pop(0), free.pop(0)
+                log.info("point %d started (%s): %s", point.num, slot, point.label)
+                running[start_in_slot(point, slot)] = (point, slot)
+            time.sleep(0.2)
+            for proc in [p for p in running if p.poll() is not None]:
+                point, slot = running.pop(proc)
+                free.append(slot)
+                on_end(point)
+        if forwarded:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        for proc, (point, _) in running.items():
+            multiprocess.stop_tree(proc)
+            rundir.record_end(point.path, rundir.Status.interrupted, "sweep interrupted")
+        raise
+
+
+def main() -> None:
+    from xtrain.worker import configure_logging, on_sigterm
+
+    configure_logging()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    path = Path(sys.argv[1])
+    try:
+        run_recorded(config.load(str(path / rundir.RUN_CONFIG)), path)
+    except ConfigError as err:
+        print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Stopped as err:
+        print(f"xtrain: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except Exception as err:
+        print(f"xtrain: error: {one_line(err)}", file=sys.stderr)
+        sys.exit(getattr(err, "exit_code", 1))
+
+
+if __name__ == "__main__":
+    main()

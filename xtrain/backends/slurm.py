@@ -1,0 +1,100 @@
+"""The SLURM backend: a run, or a sweep's points, submitted to SLURM (one job; one job array per set of job
+parameters) and followed to their end from the submitting machine.
+
+Every run dir is validated and written here before anything is queued (launch.py); on the nodes,
+`xtrain.slurm.node.run_node` trains it. SLURM's output and the submitted sbatch script go to `logs/`
+(a sweep's: the sweep dir's `logs/`); the job's id is in the run dir's `slurm.json`. The submitting command
+follows the job (its states, rank 0's lines) and ends with the run's own outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Callable
+
+from xtrain import hardware, launch, plan, run_dir as rundir
+from xtrain.config import RunConfig
+from xtrain.errors import ConfigError, LaunchFailed, Stopped, SweepFailed
+from xtrain.run_dir import LOGS, Point
+from xtrain.slurm.monitor import cancel, follow, settle
+from xtrain.slurm.submit import check, job_parameters, sbatch_script, submit
+
+log = logging.getLogger("xtrain")
+
+
+def run(cfg: RunConfig) -> dict:
+    """`python -m xtrain cluster=slurm ...`: check, write the run dir, submit one job, follow it."""
+    check(cfg)
+    facts = launch.preflight(cfg)
+    folder = Path(cfg.run_dir) / LOGS
+    if cfg.dry_run:
+        print(plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)))
+        print(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, folder)}")
+        return {"dry_run": True}
+    path = launch.write_run_dir(cfg, facts)
+    [job] = submit([(job_parameters(cfg), [path])], folder)
+    log.info("submitted SLURM job %s: run dir %s", job.job_id, path)
+    if not cfg.cluster.wait:
+        log.info("not waiting (cluster.wait=false); see it with: python -m xtrain.status %s", path)
+        return {"job_id": job.job_id}
+    results: list[dict] = []
+    try:
+        follow([job], lambda _, result: results.append(result), tail=job.log)
+    except KeyboardInterrupt:
+        cancel([job])
+        settle(job, "CANCELLED")
+        raise LaunchFailed(f"cancelled SLURM job {job.job_id} (Ctrl-C); continue it with run_dir={path} resume=auto",
+                           130) from None
+    result = results[0]
+    if result["status"] == "completed":
+        return result
+    if result["status"] == "failed":
+        _show_failing_rank(path)
+        raise LaunchFailed(f"{result['error']}\nevery rank's output: {path / LOGS}", 1)
+    if result["status"] == "interrupted" and result.get("stop"):  # not requeued: the line says how to continue
+        raise Stopped(result["error"], getattr(signal.Signals, result["stop"]["signal"], signal.SIGTERM))
+    raise LaunchFailed(f"{result['error']}; its checkpoints stay: continue with run_dir={path} resume=auto", 1)
+
+
+def _show_failing_rank(path: Path) -> None:
+    error = rundir.first_rank_error(path)
+    if error and not error["diverged"] and not error["config_error"]:
+        sys.stderr.write(error["traceback"])
+
+
+def check_points(points: list[Point], *, array_parallelism: int = 256) -> None:
+    if array_parallelism < 1:
+        raise ConfigError(f"hydra.launcher.array_parallelism={array_parallelism}: must be >= 1")
+
+
+def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], None], *,
+               array_parallelism: int = 256) -> bool:
+    """Submit already-written points (one job array per set of job parameters) and follow them, `on_end` each
+    as it ends; False if they were left queued (cluster.wait=false). Ctrl-C cancels them: SweepFailed."""
+    groups: dict[str, tuple[dict, list[Path]]] = {}
+    for point in points:
+        params = {**job_parameters(point.cfg), "array_parallelism": array_parallelism}
+        groups.setdefault(json.dumps(params, sort_keys=True), (params, []))[1].append(point.path)
+    jobs = submit(list(groups.values()), sweep_dir / LOGS) if points else []
+    by_path = {p.path: p for p in points}
+    for job in jobs:
+        job.label = f"point {by_path[job.path].num}"
+    log.info("sweep: %d submitted%s", len(jobs), f" as SLURM job {jobs[0].job_id.split('_')[0]}" if len(groups) == 1 else "")
+    if points and not points[0].cfg.cluster.wait:
+        log.info("not waiting (cluster.wait=false); see it with: python -m xtrain.status %s", sweep_dir)
+        return False
+    try:
+        follow(jobs, lambda job, result: on_end(by_path[job.path]))
+    except KeyboardInterrupt:
+        cancel(jobs)
+        for job in jobs:
+            if rundir.read_result(job.path).get("status") in (None, rundir.Status.running):
+                settle(job, "CANCELLED")
+        ids = " ".join(sorted({j.job_id.split("_")[0] for j in jobs}))
+        raise SweepFailed([f"cancelled SLURM job(s) {ids} (Ctrl-C); continue the sweep with run_dir={sweep_dir} "
+                           "resume=auto"], 130) from None
+    return True

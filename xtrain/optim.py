@@ -1,0 +1,29 @@
+"""The optimizer and its schedule: AdamW, linear warmup, cosine decay (trainer.* settings)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from xtrain.config import RunConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on biases, norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3 params are flat 1-d shards
+    groups = [
+        {"params": [p for p in params if id(p) in matrix], "weight_decay": cfg.trainer.weight_decay},
+        {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_factor(step: int, cfg: RunConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `max_steps`."""
+    t = cfg.trainer
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

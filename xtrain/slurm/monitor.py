@@ -1,0 +1,187 @@
+"""Following SLURM jobs from the submitting machine: their states (squeue, then sacct), rank 0's output,
+cancelling them, and settling a job that ended into its run's result.json.
+
+Also the one helper that runs a SLURM command (`query`) and the job record each run dir keeps (`slurm.json`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from xtrain import run_dir as rundir
+from xtrain.errors import ConfigError
+from xtrain.run_dir import SLURM_FILE, Status
+
+log = logging.getLogger("xtrain")
+
+POLL_S = 0.5
+ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+          "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+ENDED_AS = {"COMPLETED": Status.completed, "CANCELLED": Status.cancelled, "TIMEOUT": Status.timeout,
+            "PREEMPTED": Status.interrupted}
+
+
+def query(args: list[str]) -> str:
+    """A SLURM command's output; a failure is a ConfigError with its first line."""
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        first = (proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}").splitlines()[0]
+        raise ConfigError(f"cluster=slurm: `{' '.join(args[:2])}` failed: {first}")
+    return proc.stdout
+
+
+@dataclass
+class Job:
+    job_id: str
+    path: Path  # its run dir
+    log: Path  # the output of its first node's task (rank 0's lines)
+    label: str = ""
+
+
+def recorded_job(path: Path) -> Job | None:
+    try:
+        entry = json.loads((path / SLURM_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return Job(entry["job_id"], path, Path(entry["log"]))
+
+
+def live_states(job_ids: list[str]) -> dict[str, tuple[str, str, str]]:
+    """Jobs SLURM still holds: id → (state, reason, nodes)."""
+    if not job_ids:
+        return {}
+    masters = sorted({j.split("_")[0] for j in job_ids})
+    proc = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(masters), "-o", "%i|%T|%r|%N"],
+                          capture_output=True, text=True)
+    states = {}
+    for line in proc.stdout.splitlines():
+        job_id, state, reason, nodes = line.split("|")
+        states[job_id] = (state, reason, nodes)
+    return states
+
+
+def final_states(job_ids: list[str]) -> dict[str, str]:
+    """Accounting's state of jobs (e.g. COMPLETED, FAILED, CANCELLED, TIMEOUT); sacct lags a few seconds."""
+    if not job_ids:
+        return {}
+    masters = sorted({j.split("_")[0] for j in job_ids})
+    proc = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(masters), "-o", "JobID,State"],
+                          capture_output=True, text=True)
+    states = {}
+    for line in proc.stdout.splitlines():
+        job_id, state = line.split("|")
+        states[job_id] = state.split()[0] if state else ""
+    return states
+
+
+def job_state(job: Job) -> str:
+    """Where a recorded job stands now (for xtrain.status)."""
+    live = live_states([job.job_id])
+    if job.job_id in live:
+        state, reason, nodes = live[job.job_id]
+        return describe(state, reason, nodes)
+    return final_states([job.job_id]).get(job.job_id, "unknown")
+
+
+def describe(state: str, reason: str, nodes: str) -> str:
+    if state == "PENDING":
+        return f"PENDING ({reason})" if reason not in ("None", "") else "PENDING"
+    if state == "RUNNING":
+        return f"RUNNING on {nodes}"
+    return state
+
+
+def settle(job: Job, state: str) -> dict:
+    """A job that ended: its run's result.json says how, even where no rank could write it."""
+    path = job.path
+    result = rundir.read_result(path)
+    if result.get("status") == Status.completed:  # the run's own record: a task ending badly after it does not undo it
+        if state != "COMPLETED":
+            result = rundir.update_result(path, {"slurm_state": state})
+        return result
+    if state == "COMPLETED" and result.get("stop"):
+        return result  # stopped on request with a checkpoint and not requeued (cluster.max_requeues)
+    status = ENDED_AS.get(state, Status.failed)
+    if status is Status.completed:  # the job ended well, yet the run has no result: nothing trained
+        status = Status.failed
+    if status is Status.failed and result.get("status") == Status.failed:
+        error = result["error"]
+    else:
+        first = rundir.first_rank_error(path) if status is Status.failed else None
+        error = f"rank {first['rank']}: {first['summary']}" if first else {
+            Status.cancelled: f"SLURM job {job.job_id} was cancelled",
+            Status.timeout: f"SLURM job {job.job_id} reached its time limit (cluster.time_limit)",
+            Status.interrupted: f"SLURM job {job.job_id} was preempted",
+        }.get(status, f"SLURM job {job.job_id} ended {state} (its output: {job.log})")
+    return rundir.update_result(path, {"status": status.value, "error": error, "slurm_state": state})
+
+
+def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | None = None) -> None:
+    """Until every job has ended: log state changes (and rank 0's lines from `tail`), `on_end` each job."""
+    waiting = {j.job_id: j for j in jobs}
+    shown: dict[str, str] = {}
+    offset = 0
+    unseen_since: dict[str, float] = {}
+    while waiting:
+        live = live_states(list(waiting))
+        gone = [j for j in waiting if j not in live]
+        ended = final_states(gone) if gone else {}
+        for job_id, job in list(waiting.items()):
+            if job_id in live:
+                text = describe(*live[job_id])
+            elif ended.get(job_id, "PENDING") not in ACTIVE:
+                text = ended[job_id]
+            else:  # left the queue, not yet in accounting: sacct lags
+                unseen_since.setdefault(job_id, time.time())
+                if time.time() - unseen_since[job_id] < 60:
+                    continue
+                text = "UNKNOWN"
+            if shown.get(job_id) != text:
+                shown[job_id] = text
+                log.info("slurm job %s%s: %s", job_id, f" ({job.label})" if job.label else "", text)
+            if job_id not in live:
+                if tail is not None:
+                    offset = _echo_new_lines(tail, offset)
+                del waiting[job_id]
+                on_end(job, settle(job, text))
+        if tail is not None:
+            offset = _echo_new_lines(tail, offset)
+        if waiting:
+            time.sleep(POLL_S)
+
+
+def _echo_new_lines(path: Path, offset: int) -> int:
+    """Whole lines added to `path` since `offset`, to this terminal."""
+    try:
+        if path.stat().st_size < offset:  # written anew (a requeued job's output, where not appended)
+            offset = 0
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    end = data.rfind(b"\n") + 1
+    lines = [line for line in data[:end].decode(errors="replace").splitlines(keepends=True)
+             if not line.startswith("submitit ")]  # submitit's own bookkeeping
+    if lines:
+        sys.stdout.write("".join(lines))
+        sys.stdout.flush()
+    return offset + end
+
+
+def cancel(jobs: list[Job]) -> None:
+    """scancel, then wait (a little) until SLURM has ended them."""
+    ids = [j.job_id for j in jobs]
+    if not ids:
+        return
+    subprocess.run(["scancel", *ids], capture_output=True)
+    deadline = time.time() + 30
+    while live_states(ids) and time.time() < deadline:
+        time.sleep(POLL_S)
