@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -92,6 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     parts = args.parts.split(",")
     started = False
+    # the test cluster's config lives in its own directory (tests/slurm/start_slurm.sh); clients are told where
+    os.environ.setdefault("SLURM_CONF", os.path.join(os.environ.get("SLURM_BASE", "/tmp/slurm-ci"), "etc", "slurm.conf"))
     try:
         if not cluster_running():
             subprocess.run(["bash", str(SCRIPTS / "start_slurm.sh")], check=True, capture_output=True)

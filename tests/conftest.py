@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import struct
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from xtrain import config, hardware
+from xtrain.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,6 +55,35 @@ def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: d
     return proc
 
 
+def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False) -> subprocess.Popen:
+    """`python -m xtrain` in the background: its output in pipes (text), or dropped (`quiet`)."""
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
+    return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=REPO, stdout=out, stderr=out, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def model_weights(run_dir: Path) -> dict:
+    """The final model's tensors (model/model.safetensors)."""
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def assert_equal_weights(a: Path, b: Path) -> None:
+    """The two runs' final models are bitwise equal."""
+    import torch
+
+    expected, got = model_weights(a), model_weights(b)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), (a, b, name)
+
+
+def logged(run_dir: Path) -> list[tuple]:
+    """Every logged row as (step, train loss, val loss)."""
+    return [(r["step"], r.get("train/loss"), r.get("val/loss")) for r in read_metrics(run_dir)]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -76,19 +112,123 @@ def ddp_two_processes(tmp_path_factory) -> Path:
     return run_dir
 
 
+def compose_run(*overrides: str) -> RunConfig:
+    """The typed config as the launcher sees it (num_processes=auto resolved for this machine)."""
+    from hydra import compose, initialize_config_module
+
+    from xtrain import cli
+
+    cli.register_schemas()
+    with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
+    return hardware.resolve_processes(config.from_container(cfg))
+
+
+def assert_one_line_error(proc, *expected: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    return lines[0]
+
+
+FAIL_ON_RANK_1 = '''
+import os
+if os.environ.get("RANK") == "1":
+    import xtrain.loop
+
+    def evaluate(*args, **kwargs):
+        raise RuntimeError("injected failure on rank 1")
+
+    xtrain.loop.evaluate = evaluate
+'''
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, checkpoint_dir: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (checkpoint_dir / "xtrain_state.json").exists():
+        assert proc.poll() is None, "run ended before it could be killed"
+        assert time.monotonic() < deadline, "checkpoint never appeared"
+        time.sleep(0.05)
+    time.sleep(0.5)  # let it train a few steps past the checkpoint: they must not count
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def wandb_records(path: Path):
+    """Records of a W&B transaction log (.wandb: LevelDB log format, 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer: padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_history(log: Path) -> tuple[list[dict], dict]:
+    """An offline W&B run's logged rows and config, from its .wandb file."""
+    history, config = [], {}
+    for record in wandb_records(log):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
+    return history, config
+
+
 SLURM_SCRIPTS = REPO / "tests" / "slurm"
+SLURM_BASE = Path("/tmp/xtrain-slurm-test")
+MACHINE_SLURM_CONF = Path("/etc/slurm/slurm.conf")
+
+
+@dataclass
+class SlurmCluster:
+    conf: Path  # the cluster's own slurm.conf (SLURM_CONF for every client)
+    machine_conf_before: bytes  # /etc/slurm/slurm.conf as it was before the cluster started
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real 2-node SLURM cluster on this machine (tests/slurm/start_slurm.sh: munge, slurmdbd, slurmctld,
-    slurmd n1 and n2), stopped after the session with every daemon it started."""
+    slurmd n1 and n2), its config under its own directory, stopped after the session with every daemon it
+    started. The machine's own /etc/slurm/slurm.conf is left as it was: where there is none, a sentinel
+    stands there while the cluster runs, so that a test can tell that nothing wrote it."""
     if os.geteuid() != 0:
-        pytest.fail("the SLURM tests start a cluster's daemons: run the tests as root (CI does)")
-    proc = subprocess.run(["bash", str(SLURM_SCRIPTS / "start_slurm.sh")], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"the test SLURM cluster did not start:\n{proc.stderr[-3000:]}")
+        pytest.skip("the SLURM tests start a cluster's daemons (munge, slurmctld, slurmd), which needs root")
+    conf = SLURM_BASE / "etc" / "slurm.conf"
+    env = {**os.environ, "SLURM_BASE": str(SLURM_BASE), "SLURM_CONF": str(conf)}
+    sentinel = not MACHINE_SLURM_CONF.exists()
+    if sentinel:
+        MACHINE_SLURM_CONF.parent.mkdir(parents=True, exist_ok=True)
+        MACHINE_SLURM_CONF.write_text("# sentinel of xtrain's tests: no SLURM cluster of this machine's own\n")
+    before = MACHINE_SLURM_CONF.read_bytes()
     try:
-        yield
+        proc = subprocess.run(["bash", str(SLURM_SCRIPTS / "start_slurm.sh")], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            pytest.fail(f"the test SLURM cluster did not start:\n{proc.stderr[-3000:]}")
+        os.environ.update(SLURM_BASE=str(SLURM_BASE), SLURM_CONF=str(conf))
+        yield SlurmCluster(conf, before)
     finally:
-        subprocess.run(["bash", str(SLURM_SCRIPTS / "stop_slurm.sh")], capture_output=True, text=True)
+        subprocess.run(["bash", str(SLURM_SCRIPTS / "stop_slurm.sh")], capture_output=True, text=True, env=env)
+        for key in ("SLURM_BASE", "SLURM_CONF"):
+            os.environ.pop(key, None)
+        if sentinel and MACHINE_SLURM_CONF.read_bytes() == before:
+            MACHINE_SLURM_CONF.unlink()

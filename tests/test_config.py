@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
-from xtrain import cli, config, hardware
+from conftest import compose_run
+
+from xtrain import cli, config
 from xtrain.config import ConfigError, ModelArch, Precision, RunConfig, TrackerKind
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -35,14 +36,6 @@ trainer.log_every trainer.seed
 tracker.kind tracker.project tracker.wandb_mode
 run_dir resume dry_run
 """.split()
-
-
-def compose_run(*overrides: str) -> RunConfig:
-    """The typed config as the launcher sees it (num_processes=auto resolved for this machine)."""
-    cli.register_schemas()
-    with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
-    return hardware.resolve_processes(config.from_container(cfg))
 
 
 def options(group: str) -> list[str]:

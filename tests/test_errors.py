@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_xtrain
+from conftest import assert_one_line_error, run_xtrain
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -18,16 +18,6 @@ def snapshot(root: Path) -> dict[str, str]:
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(root.rglob("*")) if p.is_file()
     }
-
-
-def assert_one_line_error(proc, *expected: str) -> str:
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    for text in expected:
-        assert text in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import read_metrics, read_result, run_xtrain
-from test_config import compose_run
+from conftest import compose_run, read_metrics, read_result, run_xtrain
 from xtrain import cpu_seams, hardware
 from xtrain.optim import lr_factor
 

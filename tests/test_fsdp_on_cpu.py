@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDED, read_metrics, read_result, run_xtrain, train_losses
-from test_config import compose_run
-from test_errors import assert_one_line_error
+from conftest import SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics, read_result, run_xtrain, train_losses
 from xtrain import cpu_seams, hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers FSDP")
@@ -30,12 +28,6 @@ FINAL = Path("checkpoints") / "step_00000020"
 def fsdp_run(run_dir: Path, *overrides: str) -> Path:
     run_xtrain(f"run_dir={run_dir}", "strategy=fsdp", *SHARDED, *overrides, env=FSDP_ON_CPU)
     return run_dir
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(run_dir / "model" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +81,7 @@ def test_sharded_checkpoints_hold_one_shard_per_rank_and_full_ones_a_gathered_st
     assert not (sharded / FINAL / "pytorch_model_fsdp.bin").exists()
     # full: one gathered file, every tensor at its full shape: the final model's weights
     gathered = torch.load(full / FINAL / "pytorch_model_fsdp.bin", weights_only=True)
-    final = weights(full)
+    final = model_weights(full)
     assert final.keys() <= gathered.keys()
     for name, tensor in final.items():
         assert torch.equal(gathered[name], tensor), name
@@ -108,7 +100,7 @@ def test_resume_from_step_10_repeats_the_unbroken_run_exactly(request, tmp_path,
                 for r in read_metrics(run_dir) if r["step"] > 10]
 
     assert after_10(resumed) == after_10(unbroken)
-    final, expected = weights(resumed), weights(unbroken)
+    final, expected = model_weights(resumed), model_weights(unbroken)
     assert final.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(final[name], tensor), name
@@ -123,7 +115,7 @@ def test_model_dir_is_what_accelerate_merges_from_the_last_sharded_checkpoint(tm
                    check=True, capture_output=True, timeout=300)
     from safetensors.torch import load_file
 
-    consolidated, final = load_file(merged / "model.safetensors"), weights(sharded)
+    consolidated, final = load_file(merged / "model.safetensors"), model_weights(sharded)
     assert consolidated.keys() == final.keys()
     for name, tensor in final.items():
         assert torch.equal(consolidated[name], tensor), name

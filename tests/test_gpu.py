@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import read_metrics, read_result, run_xtrain
+from conftest import read_result, run_xtrain, train_losses
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,10 +15,6 @@ pytestmark = [
 STEPS = ["trainer.max_steps=40", "trainer.log_every=5", "trainer.eval_every=20", "trainer.save_every=20",
          "trainer.warmup_steps=5"]
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
-
-
-def losses(run_dir):
-    return [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +45,7 @@ def test_loss_curve_matches_ddp(tmp_path, ddp_fp32, strategy):
     """Same seed, fp32: the sharded strategies follow DDP's loss curve within 2 % at every logged step."""
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", f"strategy={strategy}", "precision=fp32", *STEPS)
-    assert losses(run_dir) == pytest.approx(losses(ddp_fp32), rel=0.02)
+    assert train_losses(run_dir) == pytest.approx(train_losses(ddp_fp32), rel=0.02)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

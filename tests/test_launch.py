@@ -12,14 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, read_metrics, read_result, run_xtrain
+from conftest import FAIL_ON_RANK_1, read_result, run_xtrain, start_xtrain, train_losses
 
 RUN = ["trainer.max_steps=16", "trainer.log_every=2", "trainer.eval_every=8", "trainer.save_every=8",
        "trainer.warmup_steps=2"]
-
-
-def losses(run_dir: Path) -> list[float]:
-    return [r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r]
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:
@@ -32,11 +28,6 @@ def processes_of(run_dir: Path) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return found
-
-
-def start(*overrides: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +44,7 @@ def test_two_processes_follow_one_process_with_twice_the_batch(tmp_path, one_pro
     result, single = read_result(run_dir), read_result(one_process_batch_16)
     assert result["world_size"] == 2 and "MULTI_CPU" in proc.stdout  # real DDP over gloo, not 2 lone trainings
     assert "2 x" not in proc.stdout.split("launching")[0]
-    assert losses(run_dir) == pytest.approx(losses(one_process_batch_16), rel=1e-4)
+    assert train_losses(run_dir) == pytest.approx(train_losses(one_process_batch_16), rel=1e-4)
     assert result["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
     rank0, rank1 = result["first_batch_token_sums"]
     assert rank0 != rank1  # each rank got its own shard ...
@@ -95,20 +86,8 @@ def test_two_nodes_on_one_machine(tmp_path, started, one_process_batch_16):
         assert node.returncode == 0, err
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["world_size"] == 2
-    assert losses(run_dir) == pytest.approx(losses(one_process_batch_16), rel=1e-4)
+    assert train_losses(run_dir) == pytest.approx(train_losses(one_process_batch_16), rel=1e-4)
     assert (run_dir / "logs" / "launcher-node0.log").exists() and (run_dir / "logs" / "launcher-node1.log").exists()
-
-
-FAIL_ON_RANK_1 = '''
-import os
-if os.environ.get("RANK") == "1":
-    import xtrain.loop
-
-    def evaluate(*args, **kwargs):
-        raise RuntimeError("injected failure on rank 1")
-
-    xtrain.loop.evaluate = evaluate
-'''
 
 
 def test_a_failing_rank_stops_every_worker_and_is_reported_first(tmp_path):
@@ -139,7 +118,7 @@ def started():
     drivers: list[subprocess.Popen] = []
 
     def launch(*overrides: str) -> subprocess.Popen:
-        drivers.append(start(*overrides))
+        drivers.append(start_xtrain(*overrides))
         return drivers[-1]
 
     yield launch
@@ -157,7 +136,7 @@ def test_signal_to_the_driver_stops_every_worker(tmp_path, started, sig):
     driver = started(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8",
                      "trainer.max_steps=100000", "trainer.log_every=1")
     deadline = time.monotonic() + 120
-    while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+    while not ((run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 2):
         assert driver.poll() is None, driver.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.2)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import run_xtrain
-from test_config import compose_run
+from conftest import compose_run, run_xtrain
 from xtrain import plan
 
 GB = 1e9

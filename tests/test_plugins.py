@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from test_config import compose_run
+from conftest import compose_run
 from xtrain import plugins
 from xtrain.config import ConfigError, Precision, Strategy
 

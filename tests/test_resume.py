@@ -2,44 +2,14 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from conftest import REPO, read_metrics, read_result, run_xtrain
+from conftest import assert_equal_weights, kill_after_checkpoint, logged, read_metrics, read_result, run_xtrain, start_xtrain
 
 # 40 optimizer steps x 2 micro-batches of 16 = 80 micro-batches: crosses the first epoch (955 blocks / 16 = 59 batches).
 RUN = ["trainer.max_steps=40", "trainer.grad_accum=2", "trainer.save_every=10", "trainer.eval_every=20",
        "trainer.log_every=5", "trainer.warmup_steps=5", "trainer.keep_checkpoints=2"]
-
-
-def start_xtrain(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "xtrain", *overrides], cwd=REPO,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-
-
-def kill_after_checkpoint(proc: subprocess.Popen, checkpoint_dir: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not (checkpoint_dir / "xtrain_state.json").exists():
-        assert proc.poll() is None, "run ended before it could be killed"
-        assert time.monotonic() < deadline, "checkpoint never appeared"
-        time.sleep(0.05)
-    time.sleep(0.5)  # let it train a few steps past the checkpoint: they must not count
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-
-
-def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "model" / "model.safetensors")
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
@@ -48,7 +18,7 @@ def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path, dropout
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run_xtrain(f"run_dir={whole}", *overrides)
 
-    proc = start_xtrain(f"run_dir={killed}", *overrides)
+    proc = start_xtrain(f"run_dir={killed}", *overrides, quiet=True)
     kill_after_checkpoint(proc, killed / "checkpoints" / "step_00000020")
     assert read_result(killed)["status"] == "running"  # what a killed run leaves
     last_logged = max(r["step"] for r in read_metrics(killed))
@@ -59,14 +29,9 @@ def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path, dropout
     [restart] = result["restarts"]  # the steps trained after the checkpoint were lost, and trained again
     assert restart["ended"] == "running" and restart["at_step"] == 20
     assert restart["steps_lost"] == last_logged - 20 == result["steps_lost"]
-    expected, got = weights(whole), weights(killed)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.equal(expected[name], got[name]), name
+    assert_equal_weights(whole, killed)
     # the metrics after resume are the uninterrupted run's, with no row of the killed run's lost steps
-    def losses(run_dir):
-        return [(r["step"], r.get("train/loss"), r.get("val/loss")) for r in read_metrics(run_dir)]
-    assert losses(killed) == losses(whole)
+    assert logged(killed) == logged(whole)
 
 
 def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, read_result, run_xtrain
-from test_slurm import SLURM, job_id, sacct_state, started, sweep_rows, wait_for_step
-from test_stop import assert_equal_weights, logged
-from test_trackers import wandb_history
+from conftest import assert_equal_weights, logged, read_metrics, read_result, run_xtrain, start_xtrain, wandb_history
+from test_slurm import SLURM, job_id, sacct_state, sweep_rows, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -43,7 +41,7 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
     run_xtrain(f"run_dir={unbroken}", *args)
 
-    proc = started(f"run_dir={run_dir}", *args)
+    proc = start_xtrain(f"run_dir={run_dir}", *args)
     wait_for_step(run_dir, 12, proc)
     job = job_id(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends before the time limit
@@ -68,7 +66,7 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
 def test_scontrol_requeue_without_warning_resumes_from_the_newest_periodic_checkpoint(tmp_path,
                                                                                        two_processes_unbroken):
     run_dir = tmp_path / "run"
-    proc = started(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES)
+    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES)
     wait_for_step(run_dir, 12, proc)
     job = job_id(run_dir)
     subprocess.run(["scontrol", "requeue", job], check=True)  # SIGTERM to every process, then SIGKILL
@@ -117,7 +115,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wan
 def test_past_max_requeues_a_stop_ends_the_run_with_one_line_and_a_usable_checkpoint(tmp_path,
                                                                                       two_processes_unbroken):
     run_dir = tmp_path / "run"
-    proc = started(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES, "cluster.max_requeues=0")
+    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *TWO_PROCESSES, "cluster.max_requeues=0")
     wait_for_step(run_dir, 12, proc)
     job = job_id(run_dir)
     subprocess.run(["scancel", "--signal=USR2", job], check=True)
@@ -140,7 +138,7 @@ def test_past_max_requeues_a_stop_ends_the_run_with_one_line_and_a_usable_checkp
 
 def test_a_requeued_sweep_point_resumes_its_own_point_and_the_summary_shows_it(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = started("-m", f"run_dir={sweep_dir}", *SLURM, *LONG, "trainer.lr=1e-3,2e-3",
+    proc = start_xtrain("-m", f"run_dir={sweep_dir}", *SLURM, *LONG, "trainer.lr=1e-3,2e-3",
                    "hydra.launcher.array_parallelism=2")
     while not list(sweep_dir.glob("1_*/slurm.json")):
         assert proc.poll() is None, proc.communicate()

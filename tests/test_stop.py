@@ -5,27 +5,17 @@ W&B and TensorBoard included."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
-from conftest import REPO, SHARDED, read_metrics, read_result, run_xtrain
-from test_resume import weights
-from test_trackers import wandb_history
+from conftest import SHARDED, assert_equal_weights, logged, read_metrics, read_result, run_xtrain, start_xtrain, wandb_history
 
 ONE = ["trainer.max_steps=30", "trainer.warmup_steps=3", "trainer.log_every=2", "trainer.eval_every=10",
        "trainer.save_every=10", "trainer.batch_size=8"]
-
-
-def started(*overrides: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
 def signal_at_step(proc: subprocess.Popen, run_dir: Path, step: int, signum: int) -> tuple[str, str]:
@@ -37,17 +27,6 @@ def signal_at_step(proc: subprocess.Popen, run_dir: Path, step: int, signum: int
         time.sleep(0.05)
     proc.send_signal(signum)
     return proc.communicate(timeout=300)
-
-
-def assert_equal_weights(a: Path, b: Path) -> None:
-    expected, got = weights(a), weights(b)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        assert torch.equal(expected[name], got[name]), name
-
-
-def logged(run_dir: Path) -> list[tuple]:
-    return [(r["step"], r.get("train/loss"), r.get("val/loss")) for r in read_metrics(run_dir)]
 
 
 def assert_stopped_at_a_step_boundary(proc: subprocess.Popen, stderr: str, run_dir: Path, name: str) -> int:
@@ -72,7 +51,7 @@ def test_sigterm_stops_a_run_at_a_step_boundary_and_it_continues_bitwise_in_one_
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     run_xtrain(f"run_dir={whole}", *ONE, env=home)
 
-    proc = started(f"run_dir={stopped}", *ONE, "tracker=wandb", env=home)
+    proc = start_xtrain(f"run_dir={stopped}", *ONE, "tracker=wandb", env=home)
     _, stderr = signal_at_step(proc, stopped, 12, signal.SIGTERM)
     step = assert_stopped_at_a_step_boundary(proc, stderr, stopped, "SIGTERM")
     run_xtrain(f"run_dir={stopped}", *ONE, "tracker=wandb", "resume=auto", env=home)
@@ -97,7 +76,7 @@ def test_sigusr1_stops_two_processes_together_and_they_continue_bitwise(tmp_path
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = tmp_path / "run"
-    proc = started(f"run_dir={run_dir}", "strategy=ddp", *SHARDED, "tracker=tensorboard")
+    proc = start_xtrain(f"run_dir={run_dir}", "strategy=ddp", *SHARDED, "tracker=tensorboard")
     _, stderr = signal_at_step(proc, run_dir, 12, signal.SIGUSR1)
     step = assert_stopped_at_a_step_boundary(proc, stderr, run_dir, "SIGUSR1")
     ranks = sorted(p.name for p in (run_dir / "checkpoints" / f"step_{step:08d}").glob("random_states_*"))
@@ -133,7 +112,7 @@ def test_sigterm_to_a_sweep_stops_its_running_points_at_a_step_boundary(tmp_path
     """In the driver (n_jobs=1) the running point stops, later ones stay pending; with points in processes
     of their own, each running point gets the stop and saves its step."""
     sweep_dir = tmp_path / "sweep"
-    proc = started("-m", f"run_dir={sweep_dir}", "trainer.batch_size=4,8", "trainer.max_steps=2000",
+    proc = start_xtrain("-m", f"run_dir={sweep_dir}", "trainer.batch_size=4,8", "trainer.max_steps=2000",
                    "trainer.log_every=1", "trainer.save_every=1000", f"hydra.launcher.n_jobs={n_jobs}")
     running = [sweep_dir / "0_batch_size=4"] + ([sweep_dir / "1_batch_size=8"] if n_jobs == 2 else [])
     deadline = time.time() + 300

@@ -16,8 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, read_result, run_xtrain
-from test_errors import assert_one_line_error
+from conftest import REPO, assert_equal_weights, assert_one_line_error, compose_run, read_result, run_xtrain
 
 # Small points: a few seconds each, in the driver.
 TINY = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2", "trainer.eval_every=3",
@@ -31,21 +30,6 @@ def sweep(sweep_dir: Path, *overrides: str, check: bool = True, env: dict | None
 def csv_rows(sweep_dir: Path) -> list[dict]:
     with open(sweep_dir / "sweep.csv") as f:
         return list(csv.DictReader(f))
-
-
-def final_weights(run_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(run_dir / "model" / "model.safetensors")
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    import torch
-
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        assert torch.equal(wa[name], wb[name]), (a, name)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +183,7 @@ def test_a_killed_sweep_resumes_to_the_unbroken_sweeps_weights(tmp_path):
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before  # the finished point is untouched
     assert read_result(broken / "1_batch_size=8")["resumed_from"] is not None
     for name in ("0_batch_size=4", "1_batch_size=8", "2_batch_size=16"):
-        assert_same_weights(broken / name, unbroken / name)
+        assert_equal_weights(broken / name, unbroken / name)
     assert [r["status"] for r in csv_rows(broken)] == ["completed"] * 3
 
 
@@ -273,9 +257,8 @@ def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
 
 def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
     """Pure check, any machine: N points at once on G GPUs get G // N each; never fewer than they ask for."""
-    from test_config import compose_run
-    from xtrain.config import ConfigError
     from xtrain.backends.local import check_parallel
+    from xtrain.errors import ConfigError
     from xtrain.run_dir import Point
 
     points = [Point(0, ["trainer.seed=1"], compose_run("cluster.num_processes=4")),

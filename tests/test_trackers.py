@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, read_metrics, run_xtrain
-from test_resume import kill_after_checkpoint
+from conftest import REPO, kill_after_checkpoint, read_metrics, run_xtrain, wandb_history
 
 RUN = ["trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4", "trainer.save_every=8"]
 
@@ -32,42 +28,6 @@ def test_tensorboard_event_files_hold_train_and_val_scalars(tmp_path):
         for event in events.Scalars(tag):
             assert event.value == pytest.approx(jsonl[(event.step, tag)], rel=1e-6)
     assert [e.step for e in events.Scalars("val/loss")] == [0, 4, 8]
-
-
-def wandb_records(path: Path):
-    """Records of a W&B transaction log (.wandb: LevelDB log format, 32 KiB blocks)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer: padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
-            break
-        pending += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST fragment
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-def wandb_history(log: Path) -> tuple[list[dict], dict]:
-    """An offline W&B run's logged rows and config, from its .wandb file."""
-    history, config = [], {}
-    for record in wandb_records(log):
-        kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
-        elif kind == "config":
-            config.update({item.key: json.loads(item.value_json) for item in record.config.update})
-    return history, config
 
 
 def test_wandb_runs_offline_without_an_account(tmp_path):

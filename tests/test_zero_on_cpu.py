@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDED as RUN, read_metrics, read_result, run_xtrain, train_losses
-from test_config import compose_run
-from test_errors import assert_one_line_error
+from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses
 from xtrain import cpu_seams, hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
