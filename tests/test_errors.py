@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, run_xtrain
+from conftest import assert_one_line_error, run_xtrain, xtrain_in_process
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -43,13 +43,13 @@ def snapshot(root: Path) -> dict[str, str]:
 )
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, expected):
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", *overrides, check=False)
+    proc = xtrain_in_process(f"run_dir={run_dir}", *overrides, check=False)
     assert_one_line_error(proc, *expected)
     assert not run_dir.exists()
 
 
 def test_unknown_group_option_keeps_hydras_list_of_choices(tmp_path):
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "precision=fp64", check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "precision=fp64", check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "Could not find 'precision/fp64'" in proc.stderr
@@ -58,13 +58,13 @@ def test_unknown_group_option_keeps_hydras_list_of_choices(tmp_path):
 
 
 def test_resume_pointing_at_a_non_checkpoint(tmp_path):
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", f"resume={tmp_path}", check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", f"resume={tmp_path}", check=False)
     assert_one_line_error(proc, f"resume={tmp_path}", "not an xtrain checkpoint")
 
 
 def test_existing_run_is_neither_restarted_nor_damaged(short_run):
     before = snapshot(short_run)
-    proc = run_xtrain(f"run_dir={short_run}", check=False)
+    proc = xtrain_in_process(f"run_dir={short_run}", check=False)
     assert_one_line_error(proc, f"run_dir={short_run}", "already holds a run", "resume=auto")
     assert snapshot(short_run) == before
 
@@ -72,9 +72,9 @@ def test_existing_run_is_neither_restarted_nor_damaged(short_run):
 def test_resume_from_a_checkpoint_of_another_model(short_run, tmp_path):
     before = snapshot(short_run)
     checkpoint = sorted((short_run / "checkpoints").iterdir())[-1]
-    proc = run_xtrain(f"run_dir={tmp_path / 'other'}", "model.hidden_size=64", f"resume={checkpoint}", check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'other'}", "model.hidden_size=64", f"resume={checkpoint}", check=False)
     assert_one_line_error(proc, f"resume={checkpoint}", "another model", "hidden_size: checkpoint 128 vs run 64")
-    proc = run_xtrain(f"run_dir={short_run}", "model=tiny_llama", "resume=auto", check=False)
+    proc = xtrain_in_process(f"run_dir={short_run}", "model=tiny_llama", "resume=auto", check=False)
     assert_one_line_error(proc, "resume=auto", "another model", "arch: checkpoint 'gpt2' vs run 'llama'")
     assert snapshot(short_run) == before
     assert not (tmp_path / "other").exists()
@@ -86,14 +86,14 @@ def test_resume_under_another_strategy_is_refused(short_run, tmp_path):
     shutil.copytree(checkpoint, copy)
     state = json.loads((copy / "xtrain_state.json").read_text())
     (copy / "xtrain_state.json").write_text(json.dumps({**state, "strategy": "zero2"}))
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", f"resume={copy}", "trainer.max_steps=20", check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", f"resume={copy}", "trainer.max_steps=20", check=False)
     assert_one_line_error(proc, f"resume={copy}", "written with strategy=zero2", "this run uses strategy=ddp",
                           "resume with strategy=zero2")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 is refused only where there is no CUDA GPU")
 def test_fp16_without_gpu_is_refused_not_silently_fp32(tmp_path):
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "precision=fp16", check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "precision=fp16", check=False)
     assert_one_line_error(proc, "precision=fp16", "needs a CUDA GPU", "precision=bf16")
     assert not (tmp_path / "run").exists()
 
@@ -106,13 +106,21 @@ def test_fp16_without_gpu_is_refused_not_silently_fp32(tmp_path):
     (["precision=fp8"], ["precision=fp8: needs a GPU with FP8 units", "use precision=bf16"]),
 ])
 def test_strategies_the_cpu_cannot_run_are_refused_before_launch(tmp_path, overrides, expected):
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", *overrides, check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", *overrides, check=False)
     assert_one_line_error(proc, *expected)
     assert not (tmp_path / "run").exists()
 
 
 def test_several_nodes_need_a_rendezvous_port(tmp_path):
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "cluster.nodes=2", check=False)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "cluster.nodes=2", check=False)
     assert_one_line_error(proc, "cluster.main_process_port is empty", "cluster.nodes=2",
                           "cluster.main_process_port=29500")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_refusal_from_the_command_line_is_one_line_exit_2_and_creates_nothing(tmp_path):
+    """The contract as a user meets it, in a process of its own (the cases above run the same CLI in-process)."""
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", "trainer.bacth_size=8", check=False)
+    assert_one_line_error(proc, "trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?")
+    assert not run_dir.exists()

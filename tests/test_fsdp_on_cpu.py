@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics, read_result, run_xtrain, train_losses
+from conftest import SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
 from xtrain import cpu_seams, hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers FSDP")
@@ -68,8 +68,8 @@ def test_llama_wraps_its_decoder_layer(tmp_path):
 
 def test_a_wrong_wrap_layer_is_one_line_before_anything_starts(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", "strategy=fsdp", "strategy.wrap_layer=LlamaDecoderLayer", *SHARDED,
-                      check=False, env=FSDP_ON_CPU)
+    proc = xtrain_in_process(f"run_dir={run_dir}", "strategy=fsdp", "strategy.wrap_layer=LlamaDecoderLayer", *SHARDED,
+                             check=False, env=FSDP_ON_CPU)
     assert_one_line_error(proc, "strategy.wrap_layer=LlamaDecoderLayer: no such layer in GPT2LMHeadModel",
                           "choose one of", "GPT2Block")
     assert not run_dir.exists()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose_run, run_xtrain
+from conftest import compose_run, xtrain_in_process
 from xtrain import plan
 
 GB = 1e9
@@ -70,7 +70,7 @@ def llama_params(d=8192, layers=80, heads=64, kv=8, ff=28672, vocab=32000) -> in
 
 def test_dry_run_of_a_70b_config_on_a_cpu(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", "dry_run=true", *LLAMA_70B, "strategy=zero2", "precision=bf16",
+    proc = xtrain_in_process(f"run_dir={run_dir}", "dry_run=true", *LLAMA_70B, "strategy=zero2", "precision=bf16",
                       "cluster.nodes=8", "cluster.num_processes=8", "cluster.gpu_memory_gb=80", "trainer.batch_size=1")
     out = proc.stdout
     n = llama_params()
@@ -86,11 +86,11 @@ def test_dry_run_of_a_70b_config_on_a_cpu(tmp_path):
 
 
 def test_dry_run_of_fsdp_shows_settings_and_wrap_layer(tmp_path):
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=fsdp", "precision=bf16",
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=fsdp", "precision=bf16",
                       "model=tiny_llama", "cluster.num_processes=4")
     assert '"transformer_cls_names_to_wrap": [\n      "LlamaDecoderLayer"\n    ]' in proc.stdout
     assert "fits         unknown: set cluster.gpu_memory_gb" in proc.stdout
-    bad = run_xtrain(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=fsdp", "strategy.wrap_layer=Block",
+    bad = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=fsdp", "strategy.wrap_layer=Block",
                      check=False)
     assert bad.returncode == 2 and "strategy.wrap_layer=Block: no such layer in GPT2LMHeadModel; choose one of GPT2Block" \
         in bad.stderr
@@ -99,7 +99,7 @@ def test_dry_run_of_fsdp_shows_settings_and_wrap_layer(tmp_path):
 def test_dry_run_reports_a_deepspeed_json_conflict(tmp_path):
     user = tmp_path / "ds.json"
     user.write_text('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}')
-    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=zero2",
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", "strategy=zero2",
                       f"strategy.deepspeed_config={user}", check=False)
     assert proc.returncode == 2
     assert f"strategy.deepspeed_config={user}: sets train_micro_batch_size_per_gpu=2 but trainer.batch_size gives 16" \

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import assert_equal_weights, kill_after_checkpoint, logged, read_metrics, read_result, run_xtrain, start_xtrain
+from conftest import assert_equal_weights, kill_after_checkpoint, logged, read_metrics, read_result, run_xtrain, start_xtrain, xtrain_in_process
 
 # 40 optimizer steps x 2 micro-batches of 16 = 80 micro-batches: crosses the first epoch (955 blocks / 16 = 59 batches).
 RUN = ["trainer.max_steps=40", "trainer.grad_accum=2", "trainer.save_every=10", "trainer.eval_every=20",
@@ -61,6 +61,6 @@ def test_interrupted_saves_are_ignored_and_cleaned(tmp_path):
 
 
 def test_resume_of_a_finished_run_says_what_to_raise(short_run):
-    proc = run_xtrain(f"run_dir={short_run}", "resume=auto", "trainer.max_steps=12", check=False)
+    proc = xtrain_in_process(f"run_dir={short_run}", "resume=auto", "trainer.max_steps=12", check=False)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "already trained 12 steps" in proc.stderr and "raise trainer.max_steps" in proc.stderr

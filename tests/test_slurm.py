@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAIL_ON_RANK_1, SHARDED, assert_one_line_error, read_metrics, read_result, run_xtrain, start_xtrain, train_losses
+from conftest import (FAIL_ON_RANK_1, SHARDED, assert_one_line_error, read_metrics, read_result, run_xtrain, start_xtrain,
+                      train_losses, xtrain_in_process)
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -188,14 +189,14 @@ def test_not_waiting_returns_at_once_and_status_follows_the_job(tmp_path):
 ])
 def test_slurm_bad_input_is_one_line_and_nothing_is_queued(tmp_path, overrides, expected):
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", *SLURM, *TINY, *overrides, check=False)
+    proc = xtrain_in_process(f"run_dir={run_dir}", *SLURM, *TINY, *overrides, check=False)
     assert_one_line_error(proc, expected)
     assert no_job_of(run_dir)
 
 
 def test_no_sbatch_on_path_is_one_line(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", *SLURM, check=False, env={"PATH": str(tmp_path)})
+    proc = xtrain_in_process(f"run_dir={run_dir}", *SLURM, check=False, env={"PATH": str(tmp_path)})
     assert_one_line_error(proc, "cluster=slurm: sbatch is not on PATH; submit from a SLURM login node "
                                 "(load its module first), or use cluster=local")
     assert not run_dir.exists()
@@ -203,14 +204,14 @@ def test_no_sbatch_on_path_is_one_line(tmp_path):
 
 def test_a_bad_sweep_point_queues_nothing(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = run_xtrain("-m", f"run_dir={sweep_dir}", *SLURM, "cluster.nodes=1,3", *TINY, check=False)
+    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", *SLURM, "cluster.nodes=1,3", *TINY, check=False)
     assert_one_line_error(proc, "point 1 (cluster.nodes=3): cluster.nodes=3: partition debug has 2 node(s)")
     assert not sweep_dir.exists()
 
 
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", *SLURM, "cluster.nodes=2", "cluster.setup=[module load cuda]",
+    proc = xtrain_in_process(f"run_dir={run_dir}", *SLURM, "cluster.nodes=2", "cluster.setup=[module load cuda]",
                       "+cluster.sbatch_args.mail-type=END", "dry_run=true")
     assert "topology     2 node(s) x 1 process(es)" in proc.stdout
     assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --ntasks-per-node=1" in proc.stdout
@@ -223,8 +224,9 @@ def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
 def test_container_image_goes_on_the_srun_line(tmp_path):
     """Unexecuted here (no pyxis on the test cluster): the exact srun line every node's task starts with."""
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", *SLURM, "cluster.container_image='nvcr.io#nvidia/pytorch:24.05-py3'",
-                      "cluster.container_mounts=/data:/data", "cluster.srun_args=['--cpu-bind=none']", "dry_run=true")
+    proc = xtrain_in_process(f"run_dir={run_dir}", *SLURM, "cluster.container_image='nvcr.io#nvidia/pytorch:24.05-py3'",
+                             "cluster.container_mounts=/data:/data", "cluster.srun_args=['--cpu-bind=none']",
+                             "dry_run=true")
     [srun] = [line for line in proc.stdout.splitlines() if line.startswith("srun ")]
     logs = run_dir / "logs"
     assert srun == (f"srun --unbuffered --output {logs}/%j_%t_log.out --kill-on-bad-exit=1 "

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, assert_equal_weights, assert_one_line_error, compose_run, read_result, run_xtrain
+from conftest import REPO, assert_equal_weights, assert_one_line_error, compose_run, read_result, run_xtrain, xtrain_in_process
 
 # Small points: a few seconds each, in the driver.
 TINY = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2", "trainer.eval_every=3",
@@ -119,7 +119,7 @@ def test_experiment_presets_sweep_with_glob(tmp_path):
 ])
 def test_a_bad_point_stops_the_sweep_before_anything_runs(tmp_path, overrides, expected):
     sweep_dir = tmp_path / "sweep"
-    assert_one_line_error(sweep(sweep_dir, *overrides, *TINY, check=False), expected)
+    assert_one_line_error(xtrain_in_process("-m", f"run_dir={sweep_dir}", *overrides, *TINY, check=False), expected)
     assert not sweep_dir.exists()
 
 
@@ -174,9 +174,10 @@ def test_a_killed_sweep_resumes_to_the_unbroken_sweeps_weights(tmp_path):
     assert "pending" in killed and "completed" in killed  # point 2 never started, point 0 done
 
     # a changed setting is refused, and so is a new start over the sweep
-    assert_one_line_error(sweep(broken, *RESUMABLE, "trainer.lr=1e-3", "resume=auto", check=False),
+    assert_one_line_error(xtrain_in_process("-m", f"run_dir={broken}", *RESUMABLE, "trainer.lr=1e-3", "resume=auto",
+                                            check=False),
                           "point 0 (trainer.batch_size=4): run_dir=", "holds a run with other settings", "trainer.lr")
-    assert_one_line_error(sweep(broken, *RESUMABLE, check=False), "already holds a run")
+    assert_one_line_error(xtrain_in_process("-m", f"run_dir={broken}", *RESUMABLE, check=False), "already holds a run")
 
     resumed = sweep(broken, *RESUMABLE, "resume=auto")
     assert "2 to run" in resumed.stdout

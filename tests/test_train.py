@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import SHORT, read_metrics, read_result, run_xtrain
+from conftest import SHORT, read_metrics, read_result, run_xtrain, xtrain_in_process
 
 
 @pytest.mark.slow
@@ -111,7 +111,7 @@ def test_datasets_save_to_disk_directory(tmp_path):
     run_xtrain(f"run_dir={run_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=body", *SHORT)
     assert read_result(run_dir)["status"] == "completed"
     bad_dir = tmp_path / "bad"
-    proc = run_xtrain(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=text", check=False)
+    proc = xtrain_in_process(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=text", check=False)
     assert proc.returncode == 2 and "data.text_column=text: not a column" in proc.stderr and "body, id" in proc.stderr
     # failed before training started: the same run dir takes the corrected run
     run_xtrain(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=body", *SHORT)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses
+from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
 from xtrain import cpu_seams, hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
@@ -128,7 +128,7 @@ def test_nvme_offload_runs_or_is_refused_before_launch(tmp_path):
         assert result["status"] == "completed" and result["val_loss"] < result["initial_val_loss"] - 0.5
         assert any(nvme.rglob("*.swp")), "nothing was swapped to the NVMe path"
     else:
-        proc = run_xtrain(f"run_dir={run_dir}", "strategy=zero3", *RUN, *overrides, check=False, env=ZERO_ON_CPU)
+        proc = xtrain_in_process(f"run_dir={run_dir}", "strategy=zero3", *RUN, *overrides, check=False, env=ZERO_ON_CPU)
         assert_one_line_error(proc, "strategy.offload_optimizer=nvme: DeepSpeed's async_io op cannot be built here",
                               "apt-get install libaio-dev", "offload to cpu")
         assert not run_dir.exists()
