@@ -19,8 +19,9 @@ $(READY): pyproject.toml
 run: setup
 	$(BIN)/python -m xtrain $(ARGS)
 
+# Two streams: the SLURM tests (mostly waiting on the scheduler, one CPU per job) beside everything else.
 test: setup
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup $(ARGS)
 
 bench: setup
 	$(BIN)/python benchmarks/throughput.py

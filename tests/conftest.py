@@ -29,6 +29,15 @@ SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accu
            "trainer.warmup_steps=4", "trainer.log_every=2", "trainer.eval_every=10", "trainer.save_every=10"]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Under `pytest -n 2 --dist loadgroup` (make test): the SLURM tests run in one worker, everything else in the
+    other. The SLURM tests spend most of their time waiting on the scheduler, with one CPU per job; one worker
+    starts the test cluster, once."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group("slurm" if "slurm_cluster" in item.fixturenames else "local"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def isolated_env(tmp_path_factory):
     """No hub access, no stray Accelerate/W&B settings, one tokenizer/data cache for the session."""
@@ -62,10 +71,11 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
     import io
 
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.singleton import Singleton
 
     from xtrain import cli
 
-    argv, saved_env = sys.argv, dict(os.environ)
+    argv, saved_env, hydra_state = sys.argv, dict(os.environ), Singleton.get_state()
     sys.argv = ["xtrain", *overrides]
     os.environ.update(env or {})
     out, err, code = io.StringIO(), io.StringIO(), 0
@@ -79,6 +89,7 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
         os.environ.clear()
         os.environ.update(saved_env)
         GlobalHydra.instance().clear()
+        Singleton.set_state(hydra_state)  # Hydra as it was: this process runs other Hydra apps too
     if check and code != 0:
         raise AssertionError(f"xtrain {' '.join(overrides)} exited {code}:\n{out.getvalue()}\n{err.getvalue()}")
     return subprocess.CompletedProcess(["xtrain", *overrides], code, out.getvalue(), err.getvalue())
@@ -89,6 +100,12 @@ def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False) 
     out = subprocess.DEVNULL if quiet else subprocess.PIPE
     return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=REPO, stdout=out, stderr=out, text=True,
                             env={**os.environ, **(env or {})})
+
+
+def finished(proc: subprocess.Popen, timeout: float = 600) -> None:
+    """Wait for a run started with `start_xtrain` (a reference run alongside the one under test); it succeeded."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}:\n{out}\n{err}"
 
 
 def model_weights(run_dir: Path) -> dict:

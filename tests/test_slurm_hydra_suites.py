@@ -13,7 +13,8 @@ from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, Launche
 
 from conftest import REPO
 
-pytestmark = pytest.mark.usefixtures("slurm_cluster")
+# Hydra's own suites: they exercise Hydra as much as xtrain's plugin
+pytestmark = [pytest.mark.usefixtures("slurm_cluster"), pytest.mark.slow]
 
 # As xtrain's CLI does for an editable install (xtrain.cli.make_launchers_visible), without importing it here:
 # importing xtrain.cli sets Hydra's version base (1.3) for the whole process, which changes the suites' apps.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_equal_weights, logged, read_metrics, read_result, run_xtrain, start_xtrain, wandb_history
+from conftest import assert_equal_weights, finished, logged, read_metrics, read_result, run_xtrain, start_xtrain, wandb_history
 from test_slurm import SLURM, job_id, sacct_state, sweep_rows, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -39,7 +39,8 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
 
     args = [*SLURM, *LONG, "cluster.nodes=2", "cluster.num_processes=1", "tracker=tensorboard"]
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
-    run_xtrain(f"run_dir={unbroken}", *args)
+    # the reference, alongside: each job takes one of each node's two CPUs
+    reference = start_xtrain(f"run_dir={unbroken}", *args, quiet=True)
 
     proc = start_xtrain(f"run_dir={run_dir}", *args)
     wait_for_step(run_dir, 12, proc)
@@ -47,6 +48,7 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
     subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends before the time limit
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+    finished(reference)
 
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["hosts"] == ["n1", "n2"]
@@ -89,10 +91,12 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wan
     run = ["trainer.max_steps=400", "trainer.warmup_steps=10", "trainer.log_every=5", "trainer.eval_every=100",
            "trainer.save_every=100", "trainer.batch_size=8", "tracker=wandb"]
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
-    run_xtrain(f"run_dir={unbroken}", *SLURM, *run, env=home)
-    assert read_result(unbroken)["train_time_s"] > 50  # more than an allocation trains before its warning
+    # the reference, alongside: a one-node job of one process takes one CPU of a node's two
+    reference = start_xtrain(f"run_dir={unbroken}", *SLURM, *run, env=home, quiet=True)
     proc = run_xtrain(f"run_dir={run_dir}", "cluster=slurm", "cluster.time_limit=1", "cluster.signal_lead_s=10",
                       *run, env=home)
+    finished(reference)
+    assert read_result(unbroken)["train_time_s"] > 50  # more than an allocation trains before its warning
     assert "#SBATCH --signal=USR2@10" in next((run_dir / "logs").glob("*_submission.sh")).read_text()
 
     result = read_result(run_dir)
