@@ -1,0 +1,114 @@
+"""The run-dir contract's writers: result.json through one read-merge-write helper, atomic files and directories."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from xtrain import files, run_dir as rundir
+
+
+def test_update_result_merges_replaces_and_guards(tmp_path):
+    assert rundir.update_result(tmp_path, {"status": "running", "steps": 3}) == {"status": "running", "steps": 3}
+    assert rundir.update_result(tmp_path, {"steps": 4})["status"] == "running"  # merged
+    assert rundir.update_result(tmp_path, {"status": "failed", "error": "x"}, fresh=True) == {"status": "failed",
+                                                                                              "error": "x"}
+    unchanged = rundir.update_result(tmp_path, {"status": "completed"}, only_if=lambda r: r.get("status") == "running")
+    assert unchanged["status"] == "failed" and rundir.read_result(tmp_path)["status"] == "failed"
+    with pytest.raises(AssertionError, match="not a result status: 'done'"):
+        rundir.update_result(tmp_path, {"status": "done"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no temp or lock file left
+
+
+def test_record_end_keeps_an_end_the_trainer_recorded(tmp_path):
+    rundir.record_end(tmp_path, "failed", "before training", started_only=True)
+    assert not (tmp_path / "result.json").exists()  # nothing started: the dir can take the run again
+    rundir.update_result(tmp_path, {"status": rundir.Status.running.value})
+    rundir.record_end(tmp_path, "interrupted", "sweep interrupted")
+    rundir.record_end(tmp_path, "failed", "later")
+    assert rundir.read_result(tmp_path) == {"status": "interrupted", "error": "sweep interrupted"}
+
+
+def _count_up(path: str, key: str, n: int) -> None:
+    for i in range(n):
+        rundir.update_result(Path(path), {key: i + 1})
+
+
+def test_concurrent_writers_never_clobber_each_other(tmp_path):
+    """Four processes merge their own key into one result.json 50 times each: every key ends complete."""
+    rundir.update_result(tmp_path, {"status": "running"})
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_count_up, args=(str(tmp_path), f"w{i}", 50)) for i in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    result = rundir.read_result(tmp_path)
+    assert result == {"status": "running", "w0": 50, "w1": 50, "w2": 50, "w3": 50}
+
+
+def test_write_atomic_uses_a_temp_file_of_its_own_and_leaves_none(tmp_path, monkeypatch):
+    seen = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (seen.append(Path(a).name), real_replace(a, b)))
+    files.write_atomic(tmp_path / "x.json", "1")
+    files.write_atomic(tmp_path / "x.json", "2")
+    assert len(set(seen)) == 2 and all(name.startswith(".x.json.") for name in seen)
+    assert (tmp_path / "x.json").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_replace_dir_swaps_in_the_new_version(tmp_path, monkeypatch, exchange):
+    """With RENAME_EXCHANGE the swap is one step; where a filesystem lacks it, two renames (README)."""
+    if not exchange:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    final, tmp = tmp_path / "model", tmp_path / ".tmp-model"
+    final.mkdir()
+    (final / "weights").write_text("old")
+    tmp.mkdir()
+    (tmp / "weights").write_text("new")
+    files.replace_dir(tmp, final)
+    assert (final / "weights").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_replace_dir_exchange_leaves_no_moment_without_the_directory(tmp_path):
+    """A reader polling model/ while it is replaced 200 times never finds it missing (Linux, tmpfs/ext4)."""
+    final = tmp_path / "model"
+    final.mkdir()
+    if not files._exchange(final, final):  # an exchange with itself: a no-op where the filesystem supports it
+        pytest.skip("this filesystem has no RENAME_EXCHANGE: replace_dir is two renames here (README)")
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    missing = ctx.Value("i", 0)
+
+    def reader():
+        while not stop.is_set():
+            if not final.is_dir():
+                missing.value += 1
+
+    proc = ctx.Process(target=reader)
+    proc.start()
+    for i in range(200):
+        tmp = tmp_path / ".tmp-model"
+        tmp.mkdir()
+        (tmp / "weights").write_text(str(i))
+        files.replace_dir(tmp, final)
+    time.sleep(0.05)
+    stop.set()
+    proc.join(10)
+    assert missing.value == 0 and (final / "weights").read_text() == "199"
+
+
+def test_a_half_written_rank_error_never_hides_the_real_one(tmp_path):
+    errors = tmp_path / rundir.ERRORS_DIR
+    errors.mkdir(parents=True)
+    (errors / "rank0.json").write_text('{"rank": 0, "time": 1, "terminated": fal')  # cut short by a kill
+    files.write_atomic(errors / "rank1.json", json.dumps({"rank": 1, "time": 2, "terminated": False,
+                                                          "summary": "RuntimeError: the real one"}))
+    assert rundir.first_rank_error(tmp_path)["summary"] == "RuntimeError: the real one"
