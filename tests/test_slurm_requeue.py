@@ -88,7 +88,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wan
     """time_limit=1 minute, the warning 10 s before (SLURM checks every ~30 s, so it comes 10-40 s before
     the end): each allocation trains, checkpoints at the warning and requeues, until the run is done."""
     home = {"HOME": str(tmp_path / "home")}
-    run = ["trainer.max_steps=400", "trainer.warmup_steps=10", "trainer.log_every=5", "trainer.eval_every=100",
+    run = ["trainer.max_steps=500", "trainer.warmup_steps=10", "trainer.log_every=5", "trainer.eval_every=100",
            "trainer.save_every=100", "trainer.batch_size=8", "tracker=wandb"]
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
     # the reference, alongside: a one-node job of one process takes one CPU of a node's two
@@ -105,7 +105,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wan
     assert all(r["ended"] == "requeued" and r["steps_lost"] == 0 for r in restarts)
     assert [r["slurm_restart_count"] for r in restarts] == list(range(1, len(restarts) + 1))
     assert sorted(r["at_step"] for r in restarts) == [r["at_step"] for r in restarts]  # each went further
-    assert every_step_once(run_dir, 400, log_every=5) and logged(run_dir) == logged(unbroken)
+    assert every_step_once(run_dir, 500, log_every=5) and logged(run_dir) == logged(unbroken)
     assert_equal_weights(unbroken, run_dir)
     # one W&B run across the allocations: one id, and its history has every logged step once, in order
     run_id = (run_dir / "wandb_id").read_text().strip()
@@ -113,7 +113,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wan
     assert len(runs) == len(restarts) + 1 and all(r.name.endswith(f"-{run_id}") for r in runs)
     steps = [int(row["_step"]) for r in runs for row in wandb_history(next(r.glob("run-*.wandb")))[0]
              if "train/loss" in row]
-    assert steps == list(range(5, 401, 5))
+    assert steps == list(range(5, 501, 5))
 
 
 def test_past_max_requeues_a_stop_ends_the_run_with_one_line_and_a_usable_checkpoint(tmp_path,
