@@ -201,7 +201,7 @@ def _train(run_dir: Path) -> dict:
 
     progress, last_logged = restore(accelerator, resume_from, run_dir)
     start_step = progress.step
-    accelerator.init_trackers(cfg.tracker.project, config=_flat(config.to_container(cfg)),
+    accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
                               init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
     if accelerator.is_main_process:
@@ -402,15 +402,3 @@ def save_model(accelerator: Accelerator, c: Components, run_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     c.task.export(accelerator.unwrap_model(c.model), state_dict, tmp)
     replace_dir(tmp, run_dir / rundir.MODEL)
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    """Nested config → flat `a/b` keys with scalar values, as trackers want hyperparameters."""
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{name}/"))
-        else:
-            out[name] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
-    return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
-from xtrain.config import RunConfig, TrackerKind
+from xtrain.config import RunConfig, TrackerKind, to_container
 from xtrain.files import write_atomic
 from xtrain.run_dir import METRICS
 
@@ -85,3 +85,19 @@ def init_kwargs(cfg: RunConfig, run_dir: Path, main_process: bool, start_step: i
     if cfg.tracker.kind is TrackerKind.tensorboard and start_step:
         return {"tensorboard": {"purge_step": start_step + 1}}
     return {}
+
+
+def hyperparameters(cfg: RunConfig) -> dict:
+    """The run config as trackers want hyperparameters: flat `a/b` keys, scalar values."""
+    return _flat(to_container(cfg))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{name}/"))
+        else:
+            out[name] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
+    return out

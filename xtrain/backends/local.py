@@ -8,6 +8,7 @@ boundary (resumable).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -165,10 +166,7 @@ def start_in_slot(point: Point, slot: dict) -> subprocess.Popen:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot["gpus"]))
     else:
         env["OMP_NUM_THREADS"] = str(len(slot["cores"]))
-        cores = slot["cores"]
-
-        def preexec():
-            os.sched_setaffinity(0, cores)
+        preexec = functools.partial(os.sched_setaffinity, 0, slot["cores"])
 
     log_path = point.path / rundir.LOGS / "point.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
