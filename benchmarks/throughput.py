@@ -59,9 +59,8 @@ def raw_loop_tokens_per_s(cfg: config.RunConfig, steps: int) -> float:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     set_seed(cfg.trainer.seed)
-    corpus = data.load_corpus(cfg.data)
-    tokenizer = data.tokenizer_for(corpus, cfg.model, cfg.data)
-    train_set, _ = data.pack(corpus, tokenizer, cfg.data)
+    prepared = data.prepare(cfg.data, cfg.model)
+    tokenizer, (train_set, _) = prepared.tokenizer, prepared.splits()
     model = models.build(cfg.model, tokenizer, cfg.data.block_size)
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))

@@ -20,6 +20,7 @@ GOLDEN_KEYS = """
 model.source model.arch model.name_or_path model.hidden_size model.num_layers model.num_heads model.num_kv_heads
 model.intermediate_size model.vocab_size model.dropout
 data.source data.files data.name data.config_name data.split data.text_column data.block_size data.val_fraction
+data.max_val_tokens data.num_proc
 data.cache_dir
 strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import (FAIL_ON_RANK_1, SHARDED, assert_one_line_error, read_metrics, read_result, run_xtrain, start_xtrain,
                       train_losses, xtrain_in_process)
+from corpus import documents, write
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -81,6 +83,25 @@ def test_two_nodes_follow_the_local_two_process_run(tmp_path, ddp_two_processes)
     assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
     job = job_id(run_dir)
     assert (run_dir / "logs" / f"{job}_1_log.out").exists()  # node 1's task output, beside node 0's
+
+
+def test_a_two_node_job_prepares_its_data_inside_the_allocation(tmp_path):
+    """Not on the submitting machine (which only checks the files): on a node of the job, before torchrun; the
+    other node waits on the shared filesystem's lock."""
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    write(tmp_path / "c.jsonl", documents(3_000_000, seed=12))
+    proc = run_xtrain(f"run_dir={run_dir}", *SLURM, "cluster.nodes=2", "cluster.num_processes=1", "data=text",
+                      f"data.files=[{tmp_path}/c.jsonl]", *TINY, env={"XTRAIN_CACHE_DIR": str(cache)})
+    assert read_result(run_dir)["status"] == "completed"
+    submitted = proc.stdout.index("submitted SLURM job")
+    assert "data: preparing" not in (proc.stdout[:submitted] + proc.stderr)
+    job = job_id(run_dir)
+    node_lines = [line for i in (0, 1) for line in (run_dir / "logs" / f"{job}_{i}_log.out").read_text().splitlines()
+                  if "data: preparing" in line]
+    [line] = node_lines
+    [meta] = cache.glob("prepared/*/meta.json")
+    node = json.loads(meta.read_text())["prepared_on"]
+    assert node in ("n1", "n2") and re.search(rf"data: preparing .* on {node} with \d+ process", line)
 
 
 def sweep_rows(sweep_dir: Path) -> list[dict]:

@@ -8,7 +8,6 @@ the bad value and what would work.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from enum import Enum
 import re
@@ -39,7 +38,7 @@ class ModelArch(Enum):
 
 class DataSource(Enum):
     pydoc = "pydoc"  # CPython's bundled documentation topics: no download
-    text = "text"  # local text files or globs
+    text = "text"  # local files (.txt, .jsonl, .json, .jsonl.gz, .json.gz, .parquet, .csv)
     hf = "hf"  # a datasets hub name or a save_to_disk directory
 
 
@@ -134,18 +133,24 @@ class ModelConfig:
 class DataConfig:
     source: DataSource = DataSource.pydoc
     files: List[str] = field(default_factory=list)
-    """For `source=text`: text files, directories or glob patterns."""
+    """For `source=text`: files, directories or globs (formats: xtrain/data/sources.py)."""
     name: Optional[str] = None
     """For `source=hf`: a datasets hub name or a directory written by `save_to_disk`."""
     config_name: Optional[str] = None
     """For `source=hf`: the hub dataset's configuration, if it has several."""
     split: str = "train"
     text_column: str = "text"
+    """The column that holds each record's text (record formats and `source=hf`)."""
     block_size: int = 128
     """Tokens per training sequence; documents are packed into blocks of this length."""
     val_fraction: float = 0.05
+    """Share of the blocks held out for evaluation, up to `max_val_tokens`."""
+    max_val_tokens: int = 16384
+    """Validation blocks hold at most this many tokens (at least one block): an eval's cost is bounded."""
+    num_proc: Optional[int] = None
+    """Processes that tokenize while preparing (default: every core of the machine that prepares)."""
     cache_dir: str = "~/.cache/xtrain"
-    """Tokenizers and tokenized datasets are cached here (env XTRAIN_CACHE_DIR overrides)."""
+    """Tokenizers and prepared tokens are cached here (env XTRAIN_CACHE_DIR overrides)."""
 
     def __post_init__(self) -> None:
         if self.source is DataSource.text and not self.files:
@@ -155,6 +160,9 @@ class DataConfig:
         _positive("data.block_size", self.block_size)
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.val_fraction}: must be between 0 and 1 (exclusive)")
+        _positive("data.max_val_tokens", self.max_val_tokens)
+        if self.num_proc is not None:
+            _positive("data.num_proc", self.num_proc)
 
 
 @dataclass
@@ -403,10 +411,6 @@ def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
         else:
             names.append(f"{prefix}{f.name}")
     return names
-
-
-def cache_dir(data: DataConfig) -> str:
-    return os.path.expanduser(os.environ.get("XTRAIN_CACHE_DIR") or data.cache_dir)
 
 
 def to_container(cfg: RunConfig) -> dict:

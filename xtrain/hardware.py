@@ -22,6 +22,12 @@ FP8_PACKAGES = {
 }
 
 
+def usable_cores() -> int:
+    """The cores this process may use (in a SLURM job: the ones the job was given on this node)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(os.environ.get("SLURM_CPUS_ON_NODE") or cores)
+
+
 def visible_gpus() -> int:
     import torch
 

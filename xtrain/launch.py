@@ -92,11 +92,10 @@ def wait_for_run_dir(cfg: RunConfig, since: float) -> Path:
     return path
 
 
-def prepare(cfg: RunConfig, started: float | None = None) -> Path:
-    """Preflight, then the run dir with run.yaml (node 0), or node 0's run dir once written (other nodes)."""
-    facts = preflight(cfg)
+def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts, started: float) -> Path:
+    """After `preflight`: the run dir with run.yaml (node 0), or node 0's run dir once written (other nodes)."""
     if cfg.cluster.node_rank > 0:
-        return wait_for_run_dir(cfg, started or time.time())
+        return wait_for_run_dir(cfg, started)
     return write_run_dir(cfg, facts)
 
 

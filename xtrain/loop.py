@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import shutil
 import socket
 import sys
@@ -211,7 +212,7 @@ def _train(run_dir: Path) -> dict:
 
     train_start, tokens_at_start = time.time(), progress.tokens_seen
     if start_step == 0:
-        result["initial_val_loss"] = run_eval(accelerator, c, 0)
+        result["initial_val_loss"] = run_eval(accelerator, c, 0, result)
     batches = _recording_first_batch(
         micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
@@ -234,9 +235,16 @@ def _train(run_dir: Path) -> dict:
     finally:
         bar.close()
 
-    accelerator.end_training()
+    result["peak_rss_bytes"] = peak_rss(accelerator)
+    accelerator.end_training()  # destroys the process group: no collective after it
     return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
                   process_start, wall)
+
+
+def peak_rss(accelerator: Accelerator) -> list[int]:
+    """Each rank's peak resident memory so far, in bytes (pages it read through memory maps included)."""
+    own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], device=accelerator.device)
+    return accelerator.gather(own).tolist()
 
 
 def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
@@ -309,7 +317,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = Window()
     if step % t.eval_every == 0 or last:
-        result["val_loss"] = run_eval(accelerator, c, step)
+        result["val_loss"] = run_eval(accelerator, c, step, result)
         result["val_ppl"] = math.exp(result["val_loss"])
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
@@ -377,8 +385,11 @@ def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, to
     return train_loss
 
 
-def run_eval(accelerator: Accelerator, c: Components, step: int) -> float:
+def run_eval(accelerator: Accelerator, c: Components, step: int, result: dict) -> float:
+    """Evaluate, log, and add the time it took to `eval_time_s` (this attempt's)."""
+    start = time.perf_counter()
     val_loss = evaluate(accelerator, c.task, c.model, c.val_loader)
+    result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
     accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
     log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
     return val_loss

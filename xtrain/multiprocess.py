@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from xtrain import run_dir as rundir, stopping
+from xtrain import hardware, run_dir as rundir, stopping
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, LaunchFailed
 from xtrain.run_dir import ERRORS_DIR
@@ -39,9 +39,7 @@ def free_port() -> int:
 def threads_per_process(processes: int) -> int:
     """Split this node's cores (in a SLURM job: the ones it was given) between its workers (torchrun's
     default is 1 thread each)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = int(os.environ.get("SLURM_CPUS_ON_NODE") or cores)
-    return max(1, cores // processes)
+    return max(1, hardware.usable_cores() // processes)
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,29 @@ def run(cfg: RunConfig) -> dict:
         the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
         print(plan.render(the_plan))
         return {"dry_run": True, "fits": the_plan.fits}
-    return run_here(cfg, launch.prepare(cfg, started))
+    facts = launch.preflight(cfg)
+    prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
+    return run_here(cfg, launch.write_or_wait(cfg, facts, started), data_ready=True)
 
 
-def run_here(cfg: RunConfig, path: Path) -> dict:
-    """Train a written run dir on this node: in this process, or N workers under torchrun. A run stopped on
-    request (SIGTERM, SIGUSR1/2) at a step boundary raises `Stopped`."""
+def prepare_data(cfg: RunConfig) -> None:
+    """The run's data, prepared in this process before any worker starts (or found prepared): workers only
+    read it, so no rank waits in a collective while a corpus is tokenized."""
+    from xtrain import data
+
+    prepared = data.prepare(cfg.data, cfg.model)
+    if not prepared.fresh:
+        m = prepared.meta
+        log.info("data: prepared on %s earlier: %d train / %d val blocks of %d tokens (%s)", m["prepared_on"],
+                 m["train_blocks"], m["val_blocks"], m["block_size"], prepared.path)
+
+
+def run_here(cfg: RunConfig, path: Path, data_ready: bool = False) -> dict:
+    """Train a written run dir on this node: in this process, or N workers under torchrun. The data is prepared
+    first unless `data_ready`. A run stopped on request (SIGTERM, SIGUSR1/2) at a step boundary raises `Stopped`."""
     log.info("run dir: %s", path)
+    if not data_ready:
+        prepare_data(cfg)
     # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
     # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
     if cfg.cluster.world_size == 1 and cfg.strategy.name is Strategy.ddp:

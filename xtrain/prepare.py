@@ -1,0 +1,41 @@
+"""`python -m xtrain.prepare <the run's overrides>`: only the data step of that run, ahead of time.
+
+It composes the same config as `python -m xtrain` and prepares its data into the cache (`data.cache_dir`), so
+that a later run (or a GPU job after a CPU one) starts training without preparing. Nothing else starts and no
+run dir is written. Bad input ends as one line on stderr and exit code 2, with nothing cached.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from xtrain import cli, config
+from xtrain.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli.register_schemas()
+    try:
+        with initialize_config_module("xtrain.conf", version_base="1.3"):
+            cfg = config.from_container(compose("config", overrides=list(sys.argv[1:] if argv is None else argv)))
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        cli._report_refusal(err)
+    from xtrain import data
+    from xtrain.worker import configure_logging
+
+    configure_logging()
+    try:
+        prepared = data.prepare(cfg.data, cfg.model)
+    except ConfigError as err:
+        cli.fail(str(err))
+    m = prepared.meta
+    print(f"{'prepared' if prepared.fresh else 'already prepared'}: {m['documents']} documents, {m['tokens']} tokens, "
+          f"{m['train_blocks']} train / {m['val_blocks']} val blocks of {m['block_size']} tokens in {prepared.path}")
+
+
+if __name__ == "__main__":
+    main()
