@@ -31,3 +31,4 @@ bench: setup
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/sweep.py
 	$(BIN)/python benchmarks/slurm.py
+	$(BIN)/python benchmarks/data.py

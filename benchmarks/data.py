@@ -112,9 +112,10 @@ def loader_tokens_per_s(corpus: Path, cache: Path, batches: int = 2000) -> float
         cfg = config.from_container(compose("config", overrides=["data=text", f"data.files=[{corpus}]"]))
     train_set, _ = data.prepare(cfg.data, cfg.model).splits()
     loader = torch.utils.data.DataLoader(train_set, batch_size=16, shuffle=True, drop_last=True)
-    it, start = iter(loader), time.perf_counter()
-    for _ in range(batches):
-        next(it)
+    done, start = 0, time.perf_counter()
+    while done < batches:  # epochs, as the trainer's loader goes on
+        for _ in zip(range(batches - done), loader):
+            done += 1
     return batches * 16 * cfg.data.block_size / (time.perf_counter() - start)
 
 
@@ -133,11 +134,10 @@ def main() -> None:
         cache = root / f"cache_{mb}mb"
         shutil.rmtree(cache, ignore_errors=True)
         t = time.perf_counter()
-        preps = [prepare(corpus, cache, 2)]  # trains the tokenizer first
+        preps = [prepare(corpus, cache, 2)]  # trains the tokenizer first (its `seconds` leave that out)
         tokenizer_s = preps[0]["wall_s"] - preps[0]["seconds"]
         if mb <= args.scaling_max:
             preps.insert(0, prepare(corpus, cache, 1))
-            preps[1] = prepare(corpus, cache, 2)  # the tokenizer cached, as for num_proc=1
         for p in preps:
             print(f"  prepare num_proc={p['num_proc']}: {p['mb_per_s']:.2f} MB/s, {p['tokens_per_s']:.0f} tokens/s, "
                   f"{p['seconds']:.1f} s ({p['wall_s']:.1f} s command), peak RSS {p['peak_rss_mb']:.0f} MB", flush=True)

@@ -110,6 +110,19 @@ def test_blocks_split_and_val_cap(tmp_path, cache):
     assert not again.fresh and again.path == prepared.path
 
 
+def test_the_cache_key_follows_corpus_tokenizer_block_size_and_split(tmp_path, cache):
+    path = write(tmp_path / "c.jsonl", documents(200_000, seed=13))
+    base = ["data=text", f"data.files=[{path}]"]
+    first = prepare(*base).path
+    others = [prepare(*base, extra).path for extra in ("data.block_size=64", "data.val_fraction=0.1",
+                                                       "data.max_val_tokens=2048", "model.vocab_size=1024")]
+    assert len({first, *others}) == 5
+    assert len([p for p in (cache / "tokenizers").iterdir() if p.is_dir()]) == 2  # a block size or a split needs no new tokenizer
+    assert prepare(*base, "data.num_proc=1").path == first  # how it was prepared is not what was prepared
+    write(path, documents(200_000, seed=14))  # new content: its size or mtime changes
+    assert prepare(*base).path != first
+
+
 def test_preparation_in_parallel_gives_the_tokens_of_one_process(tmp_path, cache, monkeypatch):
     write(tmp_path / "c.jsonl", documents(3_000_000, seed=4))  # three chunks or more: a pool of processes
     one = prepare("data=text", f"data.files=[{tmp_path}/c.jsonl]", "data.num_proc=1")

@@ -110,14 +110,13 @@ def trained_tokenizer(source, model: ModelConfig, data: DataConfig):
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
         )
         tok.train_from_iterator(source.sample(TOKENIZER_SAMPLE_CHARS), trainer)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS)
-        fast.model_max_length = data.block_size
-        fast.save_pretrained(path)
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS).save_pretrained(path)
 
-    final = Path(cache_dir(data), "tokenizers", sha(source.fingerprint, str(model.vocab_size), str(data.block_size),
-                                                    VERSION))
+    final = Path(cache_dir(data), "tokenizers", sha(source.fingerprint, str(model.vocab_size), VERSION))
     build_once(final, write, "the tokenizer")
-    return PreTrainedTokenizerFast.from_pretrained(final)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(final)
+    tokenizer.model_max_length = data.block_size  # what the exported model's tokenizer says
+    return tokenizer
 
 
 def pretrained_tokenizer(model: ModelConfig):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import gzip
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ FORMATS = {
 }
 TEXT = ("text", {"sample_by": "document", "encoding_errors": "replace"})
 FILES_PER_READ = 64  # text files read by one builder call (a document each)
+SAMPLE_FILES = 64  # files a tokenizer's training sample is drawn from, spread over the corpus
 BATCH = 1000  # records per batch read
 
 
@@ -117,7 +119,7 @@ class Files:
             yield from self._read(group, counts)
             counts.bytes_done += sum(os.path.getsize(f) for f in group)
 
-    def _read(self, group: list[str], counts: Counts, limit_chars: int | None = None) -> Iterator[list[str]]:
+    def _read(self, group: list[str], counts: Counts) -> Iterator[list[str]]:
         import datasets
 
         builder, options = file_format(group[0])
@@ -135,20 +137,26 @@ class Files:
                 if builder == "text":
                     counts.replaced += sum(t.count("\ufffd") for t in texts)
                 yield texts
-                if limit_chars is not None and counts.chars >= limit_chars:
-                    return
         except ConfigError:
             raise
         except Exception as err:  # datasets and pyarrow raise many kinds for a file they cannot read
             raise unreadable(group, builder, err) from None
 
     def sample(self, budget_chars: int) -> Iterator[str]:
-        """Documents from up to 64 files spread evenly over the corpus, an equal share of the budget from each."""
-        files = self.files[:: max(1, len(self.files) // 64)][:64]
-        for path in files:
-            counts = Counts()
-            for texts in self._read([path], counts, limit_chars=budget_chars // len(files)):
-                yield from texts
+        """The first documents of up to 64 files spread evenly over the corpus, an equal share of the budget
+        from each."""
+        k = min(SAMPLE_FILES, len(self.files))
+        for path in (self.files[i * len(self.files) // k] for i in range(k)):
+            yield from within(itertools.chain.from_iterable(self._read([path], Counts())), budget_chars // k)
+
+
+def within(texts: Iterator[str], budget_chars: int) -> Iterator[str]:
+    """Texts until `budget_chars` characters are reached (the last one in whole)."""
+    for text in texts:
+        yield text
+        budget_chars -= len(text)
+        if budget_chars <= 0:
+            return
 
 
 def builders_quiet(batches: Iterator[dict]) -> Iterator[dict]:
@@ -231,15 +239,16 @@ class Rows:
             yield keep_texts(batch[self.column], counts, where, self.column)
 
     def sample(self, budget_chars: int) -> Iterator[str]:
-        """Rows spread evenly over the dataset, until the budget."""
+        """Every k-th row (up to 10,000 rows spread over the dataset), until the budget."""
         n = len(self.ds)
-        counts = Counts()
         stride = max(1, n // 10_000)
-        for start in range(0, n, stride * BATCH):
-            rows = self.ds.select(range(start, min(n, start + stride * BATCH), stride))
-            yield from keep_texts(rows[self.column], counts, str, self.column)
-            if counts.chars >= budget_chars:
-                return
+
+        def texts() -> Iterator[str]:
+            for start in range(0, n, stride * BATCH):
+                rows = self.ds.select(range(start, min(n, start + stride * BATCH), stride))
+                yield from keep_texts(rows[self.column], Counts(), str, self.column)
+
+        yield from within(texts(), budget_chars)
 
 
 def open_source(data: DataConfig) -> Files | Rows:
