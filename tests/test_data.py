@@ -286,3 +286,14 @@ def test_a_sweep_prepares_once_for_its_points(tmp_path, cache, n_jobs):
     results = [read_result(p) for p in sweep_dir.iterdir() if (p / "result.json").exists()]
     assert [r["status"] for r in results] == ["completed", "completed"]
     assert results[0]["first_batch_token_sums"] == results[1]["first_batch_token_sums"]
+
+
+def test_the_train_shuffle_is_torchs_order_without_a_list_of_the_epoch():
+    from torch.utils.data import RandomSampler
+
+    from xtrain.sampler import CHUNK, LeanRandomSampler
+
+    for n in (7, CHUNK * 3 + 5):
+        expected = list(RandomSampler(range(n), generator=torch.Generator().manual_seed(5)))
+        assert list(LeanRandomSampler(range(n), generator=torch.Generator().manual_seed(5))) == expected
+        assert sorted(expected) == list(range(n))

@@ -168,16 +168,30 @@ def test_two_runs_at_once_on_one_machine_do_not_collide(tmp_path, started):
     assert results[0]["rendezvous"] != results[1]["rendezvous"]
 
 
+STUCK_ON_RANK_0 = '''
+import os
+if os.environ.get("RANK") == "0":
+    import time
+    import xtrain.tasks.causal_lm
+
+    def build(self, accelerator):
+        time.sleep(3600)  # as a rank reading from a filesystem that stopped answering
+
+    xtrain.tasks.causal_lm.CausalLM.build = build
+'''
+
+
 def test_a_rank_stuck_outside_collectives_is_ended_by_the_timeout(tmp_path):
-    """Rank 0 blocks opening a FIFO nobody writes (reading its corpus); rank 1 waits in a barrier until
-    cluster.timeout_s, then the run ends with a message that says so."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    os.mkfifo(corpus / "stuck.txt")
+    """Rank 0 blocks building its model and data (fault injected by a sitecustomize); rank 1 waits in a
+    collective until cluster.timeout_s, then the run ends with a message that says so."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(STUCK_ON_RANK_0)
     run_dir = tmp_path / "run"
     began = time.monotonic()
-    proc = run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "cluster.timeout_s=10", "data=text",
-                      f"data.files=[{corpus}/*.txt]", "trainer.batch_size=2", check=False, timeout=240)
+    proc = run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "cluster.timeout_s=10", "trainer.batch_size=2",
+                      check=False, timeout=240,
+                      env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
     assert proc.returncode == 1
     assert "rank 1 failed: a collective timed out after 10 s (cluster.timeout_s): another rank is stuck or has died" \
         in proc.stderr

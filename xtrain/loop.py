@@ -35,6 +35,7 @@ from xtrain.errors import ConfigError, Diverged
 from xtrain.files import replace_dir
 from xtrain.optim import build_optimizer, lr_factor
 from xtrain.run_dir import Status
+from xtrain.sampler import LeanRandomSampler
 
 log = logging.getLogger("xtrain")
 
@@ -104,9 +105,9 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
     # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
-    train_loader = DataLoader(
-        train_set, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(t.seed)
-    )
+    generator = torch.Generator().manual_seed(t.seed)
+    train_loader = DataLoader(train_set, batch_size=t.batch_size, sampler=LeanRandomSampler(train_set, generator=generator),
+                              drop_last=True, generator=generator)
     val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
     if len(train_loader) == 0:
         raise ConfigError(
