@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="50,500,2000")
     parser.add_argument("--dir", default="/tmp/xtrain-data-bench")
     parser.add_argument("--scaling-max", type=int, default=500, help="measure num_proc=1 up to this size (MB)")
+    parser.add_argument("--train-only", action="store_true", help="corpora prepared by an earlier run: training figures only")
     args = parser.parse_args()
     root, sizes = Path(args.dir), [int(s) for s in args.sizes.split(",")]
     rows = []
@@ -132,16 +133,17 @@ def main() -> None:
         corpus = generate(root, mb)
         print(f"{mb} MB corpus in {corpus} ({time.perf_counter() - t:.0f} s to generate)", flush=True)
         cache = root / f"cache_{mb}mb"
-        shutil.rmtree(cache, ignore_errors=True)
-        t = time.perf_counter()
-        preps = [prepare(corpus, cache, 2)]  # trains the tokenizer first (its `seconds` leave that out)
-        tokenizer_s = preps[0]["wall_s"] - preps[0]["seconds"]
-        if mb <= args.scaling_max:
+        preps, tokenizer_s = [], None
+        if not args.train_only:
+            shutil.rmtree(cache, ignore_errors=True)
+            preps = [prepare(corpus, cache, 2)]  # trains the tokenizer first (its `seconds` leave that out)
+            tokenizer_s = preps[0]["wall_s"] - preps[0]["seconds"]
+            print(f"  tokenizer training and start-up: {tokenizer_s:.1f} s", flush=True)
+        if mb <= args.scaling_max and not args.train_only:
             preps.insert(0, prepare(corpus, cache, 1))
         for p in preps:
             print(f"  prepare num_proc={p['num_proc']}: {p['mb_per_s']:.2f} MB/s, {p['tokens_per_s']:.0f} tokens/s, "
                   f"{p['seconds']:.1f} s ({p['wall_s']:.1f} s command), peak RSS {p['peak_rss_mb']:.0f} MB", flush=True)
-        print(f"  tokenizer training and start-up: {tokenizer_s:.1f} s", flush=True)
         result = train(corpus, cache, root / f"run_{mb}mb", "cluster.num_processes=2", "trainer.max_steps=100",
                        "trainer.eval_every=50")
         loader = loader_tokens_per_s(corpus, cache)
@@ -167,7 +169,7 @@ def main() -> None:
         if len(row["prepare"]) == 2:
             print(f"scaling num_proc 1 -> 2 at {row['mb']} MB: "
                   f"{row['prepare'][1]['mb_per_s'] / row['prepare'][0]['mb_per_s']:.2f}x")
-    (root / "results.json").write_text(json.dumps({"rows": rows, "first_step_s": first["time_to_first_step_s"],
+    (root / ("results_train.json" if args.train_only else "results.json")).write_text(json.dumps({"rows": rows, "first_step_s": first["time_to_first_step_s"],
                                                    "eval_share": share}, indent=1))
 
 

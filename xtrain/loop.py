@@ -243,7 +243,7 @@ def _train(run_dir: Path) -> dict:
 
 
 def peak_rss(accelerator: Accelerator) -> list[int]:
-    """Each rank's peak resident memory so far, in bytes (pages it read through memory maps included)."""
+    """Each rank's peak resident memory so far, in bytes (file pages it maps included)."""
     own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], device=accelerator.device)
     return accelerator.gather(own).tolist()
 

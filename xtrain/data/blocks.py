@@ -1,10 +1,14 @@
-"""The train and val sets of a prepared cache entry: fixed-size token blocks read from a memory map.
+"""The train and val sets of a prepared cache entry: fixed-size token blocks read from the token file.
 
-A rank touches only the blocks it reads: its memory does not grow with the corpus.
+Each block is one positioned read (`os.pread`) of the file, served by the kernel's page cache: a rank holds
+only the blocks it is reading, so its memory does not grow with the corpus. (A memory map would not do:
+the kernel maps ~64 KB of cached file around every page fault into the process, so after N random 256-byte
+reads a rank's resident memory held ~N x 64 KB of the file: +150 MB after 1,600 blocks of a 260 MB file.)
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ class Blocks(Dataset):
             self.ids, self.skip, self.size = val, None, len(val)
         else:  # train position i is block i + (the held-out blocks before it): val - arange is sorted
             self.ids, self.skip, self.size = None, val - np.arange(len(val)), meta["blocks"] - len(val)
-        self._tokens = None
+        self._fd = None
 
     def __len__(self) -> int:
         return self.size
@@ -35,10 +39,15 @@ class Blocks(Dataset):
         return i + int(np.searchsorted(self.skip, i, side="right"))
 
     def __getitem__(self, i: int) -> dict:
-        if self._tokens is None:  # opened on first use, in the process that reads
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
-        start = self.block_id(i) * self.block
-        return {"input_ids": torch.from_numpy(self._tokens[start:start + self.block].astype(np.int64))}
+        if self._fd is None:  # opened on first use, in the process that reads
+            self._fd = os.open(self.path, os.O_RDONLY)
+        size = self.block * self.dtype.itemsize
+        raw = os.pread(self._fd, size, self.block_id(i) * size)
+        return {"input_ids": torch.from_numpy(np.frombuffer(raw, dtype=self.dtype).astype(np.int64))}
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_fd": None}
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)

@@ -1,4 +1,4 @@
-"""Preparation: a source's documents → a content-keyed cache entry of memory-mapped tokens, written once.
+"""Preparation: a source's documents → a content-keyed cache entry of token files, written once.
 
     <cache_dir>/tokenizers/<key>/  the byte-level BPE of a built-in model, trained on a sample of the corpus
     <cache_dir>/prepared/<key>/    tokens.bin: every document's tokens, each followed by EOS, cut to whole
@@ -52,7 +52,7 @@ class Prepared:
     fresh: bool  # prepared by this call (not found in the cache)
 
     def splits(self):
-        """The train and val sets: blocks read from the entry's memory map."""
+        """The train and val sets: blocks read from the entry's token file."""
         from xtrain.data.blocks import Blocks
 
         tokens, val = self.path / TOKENS, self.path / VAL
