@@ -288,12 +288,15 @@ def test_a_sweep_prepares_once_for_its_points(tmp_path, cache, n_jobs):
     assert results[0]["first_batch_token_sums"] == results[1]["first_batch_token_sums"]
 
 
-def test_the_train_shuffle_is_torchs_order_without_a_list_of_the_epoch():
-    from torch.utils.data import RandomSampler
+def test_the_train_shuffle_is_accelerates_order_without_a_list_of_the_epoch():
+    from accelerate.data_loader import SeedableRandomSampler
 
-    from xtrain.sampler import CHUNK, LeanRandomSampler
+    from xtrain.sampler import CHUNK, LeanSeedableRandomSampler
 
     for n in (7, CHUNK * 3 + 5):
-        expected = list(RandomSampler(range(n), generator=torch.Generator().manual_seed(5)))
-        assert list(LeanRandomSampler(range(n), generator=torch.Generator().manual_seed(5))) == expected
-        assert sorted(expected) == list(range(n))
+        make = lambda cls: cls(range(n), generator=torch.Generator().manual_seed(5), data_seed=3)  # noqa: E731
+        expected, lean = make(SeedableRandomSampler), make(LeanSeedableRandomSampler)
+        for epoch in range(2):  # each epoch its own order, and the same for both
+            order = list(expected)
+            assert list(lean) == order and sorted(order) == list(range(n))
+        assert lean.epoch == expected.epoch == 2

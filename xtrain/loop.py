@@ -28,14 +28,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, hardware, plan, plugins, run_dir as rundir, stopping, tasks, tracking
+from xtrain import checkpoint, config, hardware, plan, plugins, run_dir as rundir, sampler, stopping, tasks, tracking
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig
 from xtrain.errors import ConfigError, Diverged
 from xtrain.files import replace_dir
 from xtrain.optim import build_optimizer, lr_factor
 from xtrain.run_dir import Status
-from xtrain.sampler import LeanRandomSampler
 
 log = logging.getLogger("xtrain")
 
@@ -105,9 +104,9 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
     # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
-    generator = torch.Generator().manual_seed(t.seed)
-    train_loader = DataLoader(train_set, batch_size=t.batch_size, sampler=LeanRandomSampler(train_set, generator=generator),
-                              drop_last=True, generator=generator)
+    train_loader = DataLoader(
+        train_set, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(t.seed)
+    )
     val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
     if len(train_loader) == 0:
         raise ConfigError(
@@ -118,6 +117,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
+    sampler.lean(train_loader)  # the same order, without a Python list of every epoch
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,

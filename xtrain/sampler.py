@@ -1,29 +1,42 @@
-"""The train loader's shuffle for corpora of millions of examples: torch's RandomSampler order, without the
-Python list of a whole epoch's permutation that it makes (~36 bytes per example, ~140 MB a rank for 4M
-blocks); the permutation stays a tensor (8 bytes per example) and is handed out a chunk at a time."""
+"""The train loader's shuffle for corpora of millions of examples.
+
+`accelerator.prepare` rebuilds a shuffled loader's sampler as Accelerate's `SeedableRandomSampler` (xtrain asks for
+it: every epoch's order is a function of `trainer.seed` and the epoch, the same on every rank and after a resume).
+Its draw is torch's `RandomSampler.__iter__`, which makes a Python list of the whole epoch's permutation: ~36 bytes
+per example, ~150 MB a rank for 4M blocks. `lean` swaps in a subclass that draws the same permutation and keeps it
+a tensor (8 bytes per example), handed out a chunk at a time. Checkpoints pickle it as they pickle Accelerate's.
+"""
 
 from __future__ import annotations
 
 from typing import Iterator
 
 import torch
-from torch.utils.data import RandomSampler
+from accelerate.data_loader import SeedableRandomSampler
 
 CHUNK = 1 << 16
 
 
-class LeanRandomSampler(RandomSampler):
-    """Exactly RandomSampler's indices for the same generator (Accelerate synchronizes that generator across
-    ranks, as for any RandomSampler), without replacement."""
+class LeanSeedableRandomSampler(SeedableRandomSampler):
+    """Exactly SeedableRandomSampler's indices (seeded by `initial_seed + epoch`), without replacement."""
 
     def __iter__(self) -> Iterator[int]:
-        assert not self.replacement and self.generator is not None, "for shuffled epochs with a seeded generator"
+        assert not self.replacement and self.generator is not None, "a prepared shuffled loader's sampler"
+        self.generator.manual_seed(self.epoch + self.initial_seed)
         n = len(self.data_source)
         for _ in range(self.num_samples // n):
-            yield from _chunked(torch.randperm(n, generator=self.generator))
+            perm = torch.randperm(n, generator=self.generator)
+            for start in range(0, n, CHUNK):
+                yield from perm[start:start + CHUNK].tolist()
         yield from torch.randperm(n, generator=self.generator)[: self.num_samples % n].tolist()
+        self.set_epoch(self.epoch + 1)
 
 
-def _chunked(perm: torch.Tensor) -> Iterator[int]:
-    for start in range(0, len(perm), CHUNK):
-        yield from perm[start:start + CHUNK].tolist()
+def lean(loader) -> None:
+    """Give a prepared train loader (Accelerate's DataLoaderShard) the lean form of its seedable sampler."""
+    sampler = loader.get_sampler()
+    assert type(sampler) is SeedableRandomSampler, type(sampler)
+    replacement = LeanSeedableRandomSampler(sampler.data_source, num_samples=sampler._num_samples,
+                                            generator=sampler.generator, data_seed=sampler.initial_seed)
+    replacement.epoch = sampler.epoch
+    loader.set_sampler(replacement)

@@ -48,6 +48,6 @@ class Blocks(Dataset):
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fd": None}
 
-    def __del__(self) -> None:
+    def __del__(self, close=os.close) -> None:  # `close` bound now: at interpreter exit `os` may be gone
         if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
+            close(self._fd)

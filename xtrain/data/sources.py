@@ -164,7 +164,8 @@ def builders_quiet(batches: Iterator[dict]) -> Iterator[dict]:
     logger = logging.getLogger("datasets.packaged_modules")
     it = iter(batches)
     while True:
-        level, logger.level = logger.level, logging.CRITICAL
+        level = logger.level
+        logger.setLevel(logging.CRITICAL)  # setLevel, not .level: it clears the loggers' cached levels
         try:
             batch = next(it)
         except StopIteration:
