@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from xtrain import cli, config, data, hardware, model as models, run_dir as rundir
+from xtrain import backends, cli, config, data, model as models, run_dir as rundir
 from xtrain.loop import train
 from xtrain.optim import build_optimizer, lr_factor
 
@@ -37,7 +37,7 @@ def compose_config(overrides: list[str], run_path: Path, steps: int) -> config.R
                 f"trainer.eval_every={steps}", f"trainer.save_every={steps}", *overrides,
             ],
         )
-    return hardware.resolve_processes(config.from_container(cfg))
+    return backends.resolve(config.from_container(cfg))
 
 
 def matmul_peak_gflops(n: int = 2048, dtype=torch.float32, reps: int = 10) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from xtrain import config, hardware
+from xtrain import backends, config
 from xtrain.config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -167,7 +167,7 @@ def compose_run(*overrides: str) -> RunConfig:
     cli.register_schemas()
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
-    return hardware.resolve_processes(config.from_container(cfg))
+    return backends.resolve(config.from_container(cfg))
 
 
 def assert_one_line_error(proc, *expected: str) -> str:

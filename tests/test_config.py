@@ -29,7 +29,7 @@ precision.name precision.fp8_backend
 cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
 cluster.timeout_s cluster.gpu_memory_gb cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
-cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.wait cluster.signal_lead_s
+cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
 cluster.max_requeues
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
@@ -58,7 +58,9 @@ def test_default_composes_to_typed_config():
     "group,option,extra",
     [("model", o, ["model.name_or_path=gpt2"] if o == "hf" else []) for o in options("model")]
     + [("data", o, {"text": ["data.files=[a.txt]"], "hf": ["data.name=x"]}.get(o, [])) for o in options("data")]
-    + [(g, o, []) for g in ("strategy", "precision", "cluster", "trainer", "tracker") for o in options(g)],
+    + [(g, o, []) for g in ("strategy", "precision", "trainer", "tracker") for o in options(g)]
+    # (cluster=slurm with a request that needs no partition's numbers: no SLURM here)
+    + [("cluster", o, ["cluster.gpus_per_node=0", "cluster.cpus_per_task=1"] if o == "slurm" else []) for o in options("cluster")],
 )
 def test_every_option_composes(group, option, extra):
     cfg = compose_run(f"{group}={option}", *extra)

@@ -210,7 +210,7 @@ def test_points_in_parallel_each_get_their_share_of_the_cores(tmp_path):
     cores = len(os.sched_getaffinity(0))
     for name in ("0_batch_size=4", "1_batch_size=8"):
         result = read_result(sweep_dir / name)
-        assert result["status"] == "completed" and result["cpu_threads"] == max(1, cores // 2)
+        assert result["status"] == "completed" and result["cpu_threads"] == [max(1, cores // 2)]
         assert "done: 6 steps" in (sweep_dir / name / "logs" / "point.log").read_text()
     assert [r["status"] for r in csv_rows(sweep_dir)] == ["completed", "completed"]
 

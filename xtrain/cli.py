@@ -19,7 +19,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from xtrain import config, hardware
+from xtrain import config
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
 
@@ -52,10 +52,10 @@ def hydra_main(cfg: DictConfig):
     output_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg.run_dir = output_dir
-        run_config = hardware.resolve_processes(config.from_container(cfg))
-        from xtrain.backends import for_cluster
+        from xtrain import backends
 
-        return for_cluster(run_config.cluster.kind).run(run_config).get("val_loss")
+        run_config = backends.resolve(config.from_container(cfg))
+        return backends.for_cluster(run_config.cluster.kind).run(run_config).get("val_loss")
     except ConfigError as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
         fail(str(err))

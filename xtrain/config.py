@@ -10,20 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-import re
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
-from xtrain.errors import ConfigError
-
-
-def _positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name}={value}: must be > 0")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if value < 0:
-        raise ConfigError(f"{name}={value}: must be >= 0")
+from xtrain.cluster_config import ClusterConfig
+from xtrain.errors import ConfigError, non_negative, positive
 
 
 class ModelSource(Enum):
@@ -81,11 +71,6 @@ class Fp8Backend(Enum):
     msamp = "msamp"
 
 
-class ClusterKind(Enum):
-    local = "local"
-    slurm = "slurm"
-
-
 class TrackerKind(Enum):
     none = "none"
     tensorboard = "tensorboard"
@@ -114,7 +99,7 @@ class ModelConfig:
         if self.source is ModelSource.pretrained and not self.name_or_path:
             raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            _positive(f"model.{name}", getattr(self, name))
+            positive(f"model.{name}", getattr(self, name))
         if self.vocab_size < 260:
             raise ConfigError(f"model.vocab_size={self.vocab_size}: must be >= 260 (256 bytes + special tokens)")
         if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
@@ -157,12 +142,12 @@ class DataConfig:
             raise ConfigError("data.files is empty: data=text needs files or globs, e.g. data.files=[notes/*.txt]")
         if self.source is DataSource.hf and not self.name:
             raise ConfigError("data.name is empty: data=hf needs a datasets hub name or a save_to_disk directory")
-        _positive("data.block_size", self.block_size)
+        positive("data.block_size", self.block_size)
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.val_fraction}: must be between 0 and 1 (exclusive)")
-        _positive("data.max_val_tokens", self.max_val_tokens)
+        positive("data.max_val_tokens", self.max_val_tokens)
         if self.num_proc is not None:
-            _positive("data.num_proc", self.num_proc)
+            positive("data.num_proc", self.num_proc)
 
 
 @dataclass
@@ -230,116 +215,6 @@ class PrecisionConfig:
 
 
 @dataclass
-class ClusterConfig:
-    kind: ClusterKind = ClusterKind.local
-    nodes: int = 1
-    node_rank: int = 0
-    """This machine's rank among the nodes (0: the one that writes the run dir)."""
-    num_processes: str = "auto"
-    """Processes per node: a number, or `auto` (one per visible GPU, else 1)."""
-    main_process_ip: str = "127.0.0.1"
-    """Address of node 0, where the rendezvous listens."""
-    main_process_port: Optional[int] = None
-    """Rendezvous port (one node: a free port is chosen; several nodes: set the same port on each)."""
-    timeout_s: int = 600
-    """A collective that waits longer than this (a stuck or dead rank) ends the run."""
-    gpu_memory_gb: Optional[float] = None
-    """Device memory to plan against (dry_run); default: what the local GPU has."""
-    # cluster=slurm: one job, one task per node, each running that node's workers (xtrain/slurm.py)
-    gpus_per_node: int = 0
-    """GPUs to request on each node (num_processes=auto: one process per GPU, 1 without GPUs)."""
-    cpus_per_task: Optional[int] = None
-    """CPU cores for each node's task (all of its workers); default: the partition's."""
-    mem_gb: Optional[float] = None
-    """Memory per node; default: the partition's."""
-    time_limit: str = "01:00:00"
-    """SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
-    exclude: Optional[str] = None
-    """Nodes not to run on, e.g. `n[3-4]`."""
-    job_name: str = "xtrain"
-    sbatch_args: Dict[str, str] = field(default_factory=dict)
-    """More `#SBATCH --key=value` lines, e.g. {mail-type: END}."""
-    setup: List[str] = field(default_factory=list)
-    """Shell lines run before the job's srun (module loads, environment activation)."""
-    srun_args: List[str] = field(default_factory=list)
-    container_image: Optional[str] = None
-    """Run every node's task in this image (pyxis: srun --container-image)."""
-    container_mounts: Optional[str] = None
-    """pyxis --container-mounts, e.g. /data:/data,/scratch:/scratch (the run dir must be visible inside)."""
-    wait: bool = True
-    """Follow the submitted job to its end (states, rank 0's log); false: return after submitting."""
-    signal_lead_s: int = 120
-    """SLURM warns the job this long before its time limit (and on preemption, where the cluster sends
-    it): every rank finishes its step, a checkpoint is written, the job requeues itself. Leave time for
-    a step and a checkpoint."""
-    max_requeues: int = 10
-    """Restarts a job may have; a stop signal after that many ends the run `interrupted`, with its
-    checkpoint, for `resume=auto` by hand."""
-
-    def __post_init__(self) -> None:
-        _positive("cluster.nodes", self.nodes)
-        _positive("cluster.timeout_s", self.timeout_s)
-        _non_negative("cluster.gpus_per_node", self.gpus_per_node)
-        for name in ("cpus_per_task", "mem_gb"):
-            if getattr(self, name) is not None:
-                _positive(f"cluster.{name}", getattr(self, name))
-        minutes = time_limit_minutes(self.time_limit)
-        _positive("cluster.signal_lead_s", self.signal_lead_s)
-        _non_negative("cluster.max_requeues", self.max_requeues)
-        if self.kind is ClusterKind.slurm and self.signal_lead_s >= minutes * 60:
-            raise ConfigError(
-                f"cluster.signal_lead_s={self.signal_lead_s}: the warning would come before the job starts "
-                f"(cluster.time_limit={self.time_limit} is {minutes * 60} s); use a smaller lead or a longer limit"
-            )
-        if not 0 <= self.node_rank < self.nodes:
-            raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
-        if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):
-            raise ConfigError(f"cluster.num_processes={self.num_processes}: must be a positive number or auto")
-        if self.main_process_port is not None and not 0 < self.main_process_port < 65536:
-            raise ConfigError(f"cluster.main_process_port={self.main_process_port}: must be a port number (1-65535)")
-        if self.gpu_memory_gb is not None:
-            _positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
-
-    @property
-    def processes_per_node(self) -> int:
-        assert self.num_processes != "auto", "launch resolves num_processes=auto first"
-        return int(self.num_processes)
-
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.processes_per_node
-
-
-_TIME_LIMIT = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
-
-
-def time_limit_minutes(text: str) -> int:
-    """SLURM's time formats (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS) → whole minutes, at least 1."""
-    match = _TIME_LIMIT.fullmatch(text.strip())
-    if not match:
-        raise ConfigError(
-            f"cluster.time_limit={text}: not a SLURM time limit; use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00"
-        )
-    days, first, second, third = match.groups()
-    if days is not None:  # D-HH[:MM[:SS]]
-        hours, minutes, seconds = int(first), int(second or 0), int(third or 0)
-    elif third is not None:  # HH:MM:SS
-        hours, minutes, seconds = int(first), int(second), int(third)
-    else:  # MM[:SS]
-        hours, minutes, seconds = 0, int(first), int(second or 0)
-    total = int(days or 0) * 1440 + hours * 60 + minutes + (seconds + 59) // 60
-    if total < 1 or minutes >= 60 and (days is not None or third is not None) or seconds >= 60:
-        raise ConfigError(
-            f"cluster.time_limit={text}: not a SLURM time limit; use MM, HH:MM:SS or D-HH:MM:SS, e.g. 04:00:00"
-        )
-    return total
-
-
-@dataclass
 class TrainerConfig:
     batch_size: int = 16
     """Per-device micro batch, in sequences."""
@@ -361,9 +236,9 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every"):
-            _positive(f"trainer.{name}", getattr(self, name))
+            positive(f"trainer.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
-            _non_negative(f"trainer.{name}", getattr(self, name))
+            non_negative(f"trainer.{name}", getattr(self, name))
         if self.keep_checkpoints < 1:
             raise ConfigError(f"trainer.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (resume needs one)")
         if not 0 <= self.min_lr_ratio <= 1:

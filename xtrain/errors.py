@@ -54,6 +54,16 @@ class SweepFailed(Exception):
         self.exit_code = exit_code
 
 
+def positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}={value}: must be > 0")
+
+
+def non_negative(name: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"{name}={value}: must be >= 0")
+
+
 def one_line(err: BaseException) -> str:
     """An error as result.json and the terminal show it: xtrain's own errors as they are, others typed."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__

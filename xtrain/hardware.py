@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import socket
 from dataclasses import replace
 
-from xtrain.config import ClusterKind, Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.cluster_config import ClusterKind
+from xtrain.config import Fp8Backend, Precision, RunConfig, Strategy
 from xtrain.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
 from xtrain.errors import ConfigError
 
@@ -22,10 +24,28 @@ FP8_PACKAGES = {
 }
 
 
+NODE_SIDE = "XTRAIN_SLURM_NODE"  # set by xtrain on a SLURM job's nodes (slurm/node.py), for their processes
+
+
 def usable_cores() -> int:
-    """The cores this process may use (in a SLURM job: the ones the job was given on this node)."""
+    """The cores this process may use: the ones it is bound to (its affinity), and no more than SLURM gave
+    this node's task where it says (an allocation that binds nothing)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return int(os.environ.get("SLURM_CPUS_ON_NODE") or cores)
+    allocated = os.environ.get("SLURM_CPUS_ON_NODE")
+    return min(cores, int(allocated)) if allocated and allocated.isdigit() else cores
+
+
+def bound_cores() -> str:
+    """The cores this process may run on, as a list like `0-3,8`."""
+    if not hasattr(os, "sched_getaffinity"):
+        return f"0-{(os.cpu_count() or 1) - 1}"
+    cores, spans = sorted(os.sched_getaffinity(0)), []
+    for core in cores:
+        if spans and core == spans[-1][1] + 1:
+            spans[-1][1] = core
+        else:
+            spans.append([core, core])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def visible_gpus() -> int:
@@ -35,13 +55,14 @@ def visible_gpus() -> int:
 
 
 def submitting_to_slurm(cfg: RunConfig) -> bool:
-    """This process submits the run to SLURM: its nodes, not this machine, are what must run it."""
-    return cfg.cluster.kind is ClusterKind.slurm and "SLURM_JOB_ID" not in os.environ
+    """This process submits the run to SLURM: its nodes, not this machine, are what must run it. (A process
+    inside someone's allocation, an salloc shell or a batch job, submits too: only xtrain marks its nodes.)"""
+    return cfg.cluster.kind is ClusterKind.slurm and os.environ.get(NODE_SIDE) != "1"
 
 
 def node_gpus(cfg: RunConfig) -> int:
     """GPUs of a node that runs the workers: the ones SLURM is asked for, or the ones visible here."""
-    return cfg.cluster.gpus_per_node if submitting_to_slurm(cfg) else visible_gpus()
+    return cfg.cluster.gpus if submitting_to_slurm(cfg) else visible_gpus()
 
 
 def resolve_processes(cfg: RunConfig) -> RunConfig:
@@ -84,11 +105,18 @@ def refusal(cfg: RunConfig) -> str | None:
     import torch
 
     if submitting_to_slurm(cfg):  # the nodes' GPUs are checked on the nodes, before their workers start
-        cuda = cfg.cluster.gpus_per_node > 0
+        cuda = cfg.cluster.gpus > 0
         if cuda:
             return None
     else:
         cuda = torch.cuda.is_available()
+        if cfg.cluster.kind is ClusterKind.slurm and cfg.cluster.gpus > visible_gpus():
+            return (
+                f"cluster.gpus_per_node={cfg.cluster.gpus}: the job was given GPUs on {socket.gethostname()} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}), and CUDA sees "
+                f"{visible_gpus()} of them there; check the node's driver and the job's GPU binding, "
+                "or ask for none (cluster.gpus_per_node=0: train on the nodes' CPUs)"
+            )
     strategy, precision = cfg.strategy.name, cfg.precision.name
     if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg) and not fsdp_on_cpu(cfg):
         kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"

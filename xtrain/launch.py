@@ -16,7 +16,8 @@ from pathlib import Path
 import yaml
 
 from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir
-from xtrain.config import ClusterKind, ModelSource, Offload, RunConfig
+from xtrain.cluster_config import ClusterKind
+from xtrain.config import ModelSource, Offload, RunConfig
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
 

@@ -166,15 +166,17 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
         "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
-        "cpu_threads": torch.get_num_threads(),
     }
+    # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
+    own = (socket.gethostname(), torch.get_num_threads(), hardware.bound_cores())
+    every = [own] * world
+    if world > 1:
+        torch.distributed.all_gather_object(every, own)
+    result["hosts"], result["cpu_threads"], result["cpu_cores"] = (list(column) for column in zip(*every))
     if accelerator.distributed_type is DistributedType.FSDP:
         result["fsdp_units"] = fsdp_units(c.model)
     if world > 1:
         result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        hosts = [None] * world  # each rank's machine: a multi-node run shows its nodes
-        torch.distributed.all_gather_object(hosts, socket.gethostname())
-        result["hosts"] = hosts
     return result
 
 

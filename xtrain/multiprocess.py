@@ -103,8 +103,8 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
 
     SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGTERM,
     SIGUSR1 and SIGUSR2 instead ask the workers to stop at the next step boundary with a checkpoint
-    (SIGUSR1 to each, repeated until they end: one that is still starting gets it once it listens); a
-    second one stops the tree at once."""
+    (SIGUSR1 to each, once it listens: one that is still starting gets it when it does); a second one
+    stops the tree at once."""
     port = topology.main_process_port or free_port()
     for stale in (workdir / ERRORS_DIR).glob("rank*.json"):
         stale.unlink()
@@ -119,6 +119,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     log_path = workdir / "logs" / f"launcher-node{topology.node_rank}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     stopped_by: list[int] = []
+    told: set[int] = set()  # workers that were sent the stop request while they listened for it
     with open(log_path, "a") as log_file:
         proc = subprocess.Popen(
             torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -139,7 +140,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
                 at_once(signum, frame)
             else:
                 stopping.request(signum)
-                _signal_workers(proc, signal.SIGUSR1)
+                _tell_workers(proc, told)
                 log_file.write(f"xtrain: {signal.Signals(signum).name}: asking the workers to stop at a step boundary\n")
 
         handlers = {signal.SIGINT: at_once, signal.SIGTERM: at_once}
@@ -153,7 +154,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
                     break
                 except subprocess.TimeoutExpired:
                     if step_boundary and stopping.requested() and not stopped_by:  # (also: asked before they started)
-                        _signal_workers(proc, signal.SIGUSR1)
+                        _tell_workers(proc, told)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -165,17 +166,32 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
 
 
-def _signal_workers(proc: subprocess.Popen, signum: int) -> None:
-    """torchrun's own children, the workers (not what they start: the signal's default action would end it)."""
+def _tell_workers(proc: subprocess.Popen, told: set[int]) -> None:
+    """SIGUSR1 to each of torchrun's own children, the workers (not what they start: the signal's default
+    action would end it), once each listens for it. Only once: a signal interrupts the system call a
+    worker is in (a collective's socket read, a checkpoint's write), and the C++ below may not retry it."""
     try:
         workers = psutil.Process(proc.pid).children()
     except psutil.NoSuchProcess:
         return
     for p in workers:
+        if p.pid in told or not _catches(p.pid, signal.SIGUSR1):
+            continue
         try:
-            p.send_signal(signum)
+            p.send_signal(signal.SIGUSR1)
+            told.add(p.pid)
         except psutil.NoSuchProcess:
             pass
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """The process has a handler for `signum` (Linux: SigCgt in /proc; elsewhere assumed)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return True
+    return bool(caught >> (signum - 1) & 1)
 
 
 def run(cfg: RunConfig, run_dir: Path) -> dict:

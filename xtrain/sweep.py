@@ -18,7 +18,7 @@ from typing import Callable
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from xtrain import config, hardware, launch, run_dir as rundir, summary
+from xtrain import backends, config, launch, run_dir as rundir, summary
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, SweepFailed, explain
 from xtrain.run_dir import Point, Status
@@ -79,7 +79,7 @@ def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str]], o
         try:
             container = compose(list(overrides))
             container["run_dir"] = str(sweep_dir / name)
-            cfg = hardware.resolve_processes(config.from_container(container))
+            cfg = backends.resolve(config.from_container(container))
         except ConfigError as err:
             raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
         except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type

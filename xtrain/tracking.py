@@ -9,6 +9,7 @@ from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
+from xtrain.cluster_config import SHELL_STRINGS
 from xtrain.config import RunConfig, TrackerKind, to_container
 from xtrain.files import write_atomic
 from xtrain.run_dir import METRICS
@@ -88,8 +89,12 @@ def init_kwargs(cfg: RunConfig, run_dir: Path, main_process: bool, start_step: i
 
 
 def hyperparameters(cfg: RunConfig) -> dict:
-    """The run config as trackers want hyperparameters: flat `a/b` keys, scalar values."""
-    return _flat(to_container(cfg))
+    """The run config as trackers want hyperparameters: flat `a/b` keys, scalar values. The cluster's shell
+    strings (setup lines, srun and sbatch arguments) stay on this machine: they may name credentials' paths."""
+    tree = to_container(cfg)
+    for name in SHELL_STRINGS:
+        del tree["cluster"][name]
+    return _flat(tree)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

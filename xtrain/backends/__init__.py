@@ -2,6 +2,7 @@
 
 Each backend module has the same entry points, and takes run dirs that launch.py wrote already:
 
+- `resolve(cfg) -> cfg`: its automatic settings made concrete (SLURM: what a node of the partition has);
 - `check(cfg)`: what only this backend can check (a SLURM partition's nodes), before `launch.preflight`;
 - `run(cfg) -> dict`: one run (the CLI's): check, write the run dir, run it, return its result;
 - `check_points(points, **options)` and `run_points(points, sweep_dir, on_end, **options) -> bool`: a sweep's
@@ -12,7 +13,15 @@ The sweep (sweep.py) drives `run_points`; no backend imports the sweep.
 
 from __future__ import annotations
 
-from xtrain.config import ClusterKind
+from xtrain import hardware
+from xtrain.cluster_config import ClusterKind
+from xtrain.config import RunConfig
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Every `auto` of a composed config made concrete, as run.yaml records it: the backend's, then
+    `num_processes` (one per GPU of a node)."""
+    return hardware.resolve_processes(for_cluster(cfg.cluster.kind).resolve(cfg))
 
 
 def for_cluster(kind: ClusterKind):

@@ -27,6 +27,11 @@ from xtrain.run_dir import Point
 log = logging.getLogger("xtrain")
 
 
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Nothing to resolve beyond `num_processes`: this machine is the cluster."""
+    return cfg
+
+
 def check(cfg: RunConfig) -> None:
     """Nothing beyond `launch.preflight`: this machine is the cluster."""
 

@@ -21,9 +21,14 @@ from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, LaunchFailed, Stopped, SweepFailed
 from xtrain.run_dir import LOGS, Point
 from xtrain.slurm.monitor import cancel, follow, settle
-from xtrain.slurm.submit import check, job_parameters, sbatch_script, submit
+from xtrain.slurm.submit import check, job_parameters, request_line, resolve_request, sbatch_script, submit
 
 log = logging.getLogger("xtrain")
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """On the submitting machine: GPUs and CPUs per node from the partition (on a node: resolved already)."""
+    return resolve_request(cfg) if hardware.submitting_to_slurm(cfg) else cfg
 
 
 def run(cfg: RunConfig) -> dict:
@@ -33,9 +38,11 @@ def run(cfg: RunConfig) -> dict:
     folder = Path(cfg.run_dir) / LOGS
     if cfg.dry_run:
         print(plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)))
+        print(request_line(cfg))
         print(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, folder)}")
         return {"dry_run": True}
     path = launch.write_run_dir(cfg, facts)
+    log.info("%s", request_line(cfg))
     [job] = submit([(job_parameters(cfg), [path])], folder)
     log.info("submitted SLURM job %s: run dir %s", job.job_id, path)
     if not cfg.cluster.wait:

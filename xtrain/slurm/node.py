@@ -48,6 +48,7 @@ def run_node(run_dir: str) -> dict:
     from xtrain.multiprocess import threads_per_process
     from xtrain.worker import configure_logging
 
+    os.environ[hardware.NODE_SIDE] = "1"  # this process and its workers run the job; they submit nothing
     configure_logging()
     logging.getLogger("submitit").propagate = False  # it has a handler of its own
     path = Path(run_dir)

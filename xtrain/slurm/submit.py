@@ -8,17 +8,21 @@ import contextlib
 import functools
 import io
 import json
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from xtrain.config import ClusterConfig, RunConfig, time_limit_minutes
+from xtrain.cluster_config import ClusterConfig, time_limit_minutes
+from xtrain.config import RunConfig
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
+from xtrain.hardware import NODE_SIDE
 from xtrain.run_dir import SLURM_FILE
 from xtrain.slurm.monitor import Job, cancel, describe, live_states, query, recorded_job
 from xtrain.slurm.node import run_node
@@ -28,7 +32,8 @@ from xtrain.slurm.node import run_node
 class Partition:
     name: str
     nodes: int
-    gpus_per_node: int
+    gpus_per_node: int  # the most a node has (one line of sinfo per kind of node)
+    cpus_per_node: int  # the fewest a node has: a request for all of them fits on any node
     default: bool
 
 
@@ -36,17 +41,44 @@ class Partition:
 def partitions() -> dict[str, Partition]:
     """The cluster's partitions, from sinfo (one query per process)."""
     found: dict[str, Partition] = {}
-    for line in query(["sinfo", "-h", "-o", "%P|%D|%G"]).splitlines():
-        name, nodes, gres = line.split("|")
+    for line in query(["sinfo", "-h", "-o", "%P|%D|%G|%c"]).splitlines():
+        name, nodes, gres, cpus = line.split("|")
         default = name.endswith("*")
         name = name.rstrip("*")
         gpus = max((int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)), default=0)
         before = found.get(name)
-        if before:  # one line per kind of node: add the nodes up, keep the largest GPU count
-            found[name] = Partition(name, before.nodes + int(nodes), max(before.gpus_per_node, gpus), default)
+        if before:
+            found[name] = Partition(name, before.nodes + int(nodes), max(before.gpus_per_node, gpus),
+                                    min(before.cpus_per_node, int(cpus)), default)
         else:
-            found[name] = Partition(name, int(nodes), gpus, default)
+            found[name] = Partition(name, int(nodes), gpus, int(cpus), default)
     return found
+
+
+def partition_of(c: ClusterConfig) -> Partition:
+    """The partition a job of this config goes to: the one named, or the cluster's default."""
+    found = partitions()
+    if c.partition is None:
+        default = [p for p in found.values() if p.default]
+        if not default:
+            raise ConfigError(f"cluster.partition is empty and this cluster has no default partition; "
+                              f"choose one of {', '.join(sorted(found))}")
+        return default[0]
+    if c.partition not in found:
+        raise ConfigError(f"cluster.partition={c.partition}: no such partition; this cluster has "
+                          f"{', '.join(sorted(found))}")
+    return found[c.partition]
+
+
+def resolve_request(cfg: RunConfig) -> RunConfig:
+    """`gpus_per_node=auto` and `cpus_per_task=all` → the partition's numbers, written resolved into run.yaml."""
+    c = cfg.cluster
+    if c.gpus_per_node != "auto" and c.cpus_per_task != "all":
+        return cfg
+    part = partition_of(c)
+    gpus = str(part.gpus_per_node) if c.gpus_per_node == "auto" else c.gpus_per_node
+    cpus = str(part.cpus_per_node) if c.cpus_per_task == "all" else c.cpus_per_task
+    return replace(cfg, cluster=replace(c, gpus_per_node=gpus, cpus_per_task=cpus))
 
 
 def check(cfg: RunConfig) -> None:
@@ -57,18 +89,7 @@ def check(cfg: RunConfig) -> None:
             "cluster=slurm: sbatch is not on PATH; submit from a SLURM login node (load its module first), "
             "or use cluster=local"
         )
-    found = partitions()
-    if c.partition is None:
-        default = [p for p in found.values() if p.default]
-        if not default:
-            raise ConfigError(f"cluster.partition is empty and this cluster has no default partition; "
-                              f"choose one of {', '.join(sorted(found))}")
-        part = default[0]
-    elif c.partition not in found:
-        raise ConfigError(f"cluster.partition={c.partition}: no such partition; this cluster has "
-                          f"{', '.join(sorted(found))}")
-    else:
-        part = found[c.partition]
+    part = partition_of(c)
     if c.nodes > part.nodes:
         raise ConfigError(f"cluster.nodes={c.nodes}: partition {part.name} has {part.nodes} node(s); "
                           f"use cluster.nodes<={part.nodes}")
@@ -78,19 +99,38 @@ def check(cfg: RunConfig) -> None:
         if job.job_id in live:
             raise ConfigError(f"run_dir={cfg.run_dir}: SLURM job {job.job_id} is still {describe(*live[job.job_id])} "
                               f"there; wait for it (python -m xtrain.status {cfg.run_dir}) or scancel {job.job_id}")
-    if c.gpus_per_node > part.gpus_per_node:
-        raise ConfigError(f"cluster.gpus_per_node={c.gpus_per_node}: the nodes of partition {part.name} have "
+    if c.gpus > part.gpus_per_node:
+        raise ConfigError(f"cluster.gpus_per_node={c.gpus}: the nodes of partition {part.name} have "
                           f"{part.gpus_per_node} GPU(s); use cluster.gpus_per_node<={part.gpus_per_node}")
+    if int(c.cpus_per_task) > part.cpus_per_node:
+        raise ConfigError(f"cluster.cpus_per_task={c.cpus_per_task}: the nodes of partition {part.name} have "
+                          f"{part.cpus_per_node} CPUs; use cluster.cpus_per_task<={part.cpus_per_node} (or all)")
+
+
+def request_line(cfg: RunConfig) -> str:
+    """What the job asks SLURM for, in words (the plan's line; `on CPUs` where it asks for no GPU)."""
+    c = cfg.cluster
+    gpus = f"{c.gpus} GPU(s)" if c.gpus else "no GPU: on CPUs"
+    return (f"slurm request: {c.nodes} node(s) of partition {partition_of(c).name}, each one task of "
+            f"{c.cpus_per_task} CPUs and {gpus}, running {c.processes_per_node} worker process(es)")
 
 
 def srun_arguments(c: ClusterConfig) -> list[str]:
-    """One task per node; a task that fails ends the others at once (not at the collective timeout)."""
-    args = ["--kill-on-bad-exit=1"]
+    """One task per node with every CPU the job has there (srun does not inherit sbatch's --cpus-per-task on
+    SLURM 22.05-23.02); a task that fails ends the others at once (not at the collective timeout)."""
+    args = [f"--cpus-per-task={c.cpus_per_task}", "--kill-on-bad-exit=1"]
     if c.container_image:
         args.append(f"--container-image={c.container_image}")
         if c.container_mounts:
             args.append(f"--container-mounts={c.container_mounts}")
     return args + list(c.srun_args)
+
+
+def interpreter(c: ClusterConfig) -> str:
+    """What runs each node's task: the image's python3 (xtrain installed there), else this interpreter."""
+    if c.container_python:
+        return c.container_python
+    return "python3" if c.container_image else shlex.quote(sys.executable)
 
 
 def job_parameters(cfg: RunConfig) -> dict:
@@ -104,12 +144,14 @@ def job_parameters(cfg: RunConfig) -> dict:
         # --signal=USR2@lead: the warning before the time limit; --requeue: SLURM may requeue the job
         # (scontrol requeue, a node failure), and so may the job itself, after a warning
         "signal_delay_s": c.signal_lead_s, "additional_parameters": {"requeue": True, **c.sbatch_args},
+        "python": interpreter(c),
     }
-    for name in ("partition", "account", "qos", "constraint", "exclude", "cpus_per_task"):
+    for name in ("partition", "account", "qos", "constraint", "exclude"):
         if getattr(c, name) is not None:
             params[name] = getattr(c, name)
-    if c.gpus_per_node:
-        params["gpus_per_node"] = c.gpus_per_node
+    params["cpus_per_task"] = int(c.cpus_per_task)
+    if c.gpus:
+        params["gpus_per_node"] = c.gpus
     if c.mem_gb is not None:
         params["mem"] = _convert_mem(c.mem_gb)
     return params
@@ -118,17 +160,31 @@ def job_parameters(cfg: RunConfig) -> dict:
 def executor(folder: Path, params: dict):
     import submitit
 
-    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0)
-    ex.update_parameters(**params)
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=params["python"])
+    ex.update_parameters(**{k: v for k, v in params.items() if k != "python"})
     return ex
+
+
+@contextlib.contextmanager
+def as_from_a_login_node():
+    """Inside an allocation (an salloc shell, a batch job), SLURM's variables of that job would reach the new
+    job through sbatch's exported environment, and srun there reads some as its own options: drop them."""
+    own = {k: v for k, v in os.environ.items() if k.startswith("SLURM_") and k != "SLURM_CONF" or k == NODE_SIDE}
+    for key in own:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(own)
 
 
 def sbatch_script(cfg: RunConfig, folder: Path) -> str:
     """The script `submit` would hand to sbatch (for dry_run)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    command = f"{sys.executable} -u -m submitit.core._submit {folder}"
-    return _make_sbatch_string(command=command, folder=folder, **job_parameters(cfg))
+    params = job_parameters(cfg)
+    command = f"{params.pop('python')} -u -m submitit.core._submit {folder}"
+    return _make_sbatch_string(command=command, folder=folder, **params)
 
 
 def _sbatch_refusal(err: Exception) -> ConfigError:
@@ -147,7 +203,7 @@ def submit(groups: list[tuple[dict, list[Path]]], folder: Path) -> list[Job]:
     jobs = []
     for params, paths in groups:
         try:
-            with contextlib.redirect_stderr(io.StringIO()):  # submitit repeats sbatch's complaint there
+            with contextlib.redirect_stderr(io.StringIO()), as_from_a_login_node():  # (submitit repeats sbatch's complaint)
                 submitted = executor(folder, params).map_array(run_node, [str(p) for p in paths])
         except (FailedJobError, subprocess.CalledProcessError) as err:
             cancel(jobs)  # a sweep's earlier arrays: all of it is queued, or none
