@@ -69,8 +69,10 @@ def test_exported_accelerate_config_is_the_cpu_run_it_came_from(ddp_two_processe
     assert len(states) == 1 and "Device: cpu" in proc.stdout  # one CPU process, not two lone ones
 
 
-def test_two_nodes_on_one_machine(tmp_path, started, one_process_batch_16):
-    """cluster.nodes=2: node 0 writes the run dir, node 1 joins the rendezvous at main_process_ip:port."""
+@pytest.mark.parametrize("first", [0, 1])
+def test_two_nodes_on_one_machine_whichever_starts_first(tmp_path, started, one_process_batch_16, first):
+    """cluster.nodes=2: node 0 writes the run dir and hands node 1 this launch's token at main_process_ip:port
+    (no clocks): node 1 waits for it if it came first, and takes it if node 0 is there already."""
     import socket
 
     with socket.socket() as s:
@@ -79,8 +81,20 @@ def test_two_nodes_on_one_machine(tmp_path, started, one_process_batch_16):
     run_dir = tmp_path / "run"
     common = [f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.main_process_ip=127.0.0.1",
               f"cluster.main_process_port={port}", "trainer.batch_size=8", *RUN]
-    node1 = started(*common, "cluster.node_rank=1")
-    node0 = started(*common, "cluster.node_rank=0")
+    if first == 1:
+        node1 = started(*common, "cluster.node_rank=1")
+        time.sleep(3)
+        node0 = started(*common, "cluster.node_rank=0")
+    else:
+        (run_dir / "launch.json").parent.mkdir(parents=True)
+        (run_dir / "launch.json").write_text('{"token": "an earlier launch"}')
+        node0 = started(*common, "cluster.node_rank=0")
+        deadline = time.time() + 120
+        while "an earlier launch" in (run_dir / "launch.json").read_text():  # node 0 has written this launch's
+            assert time.time() < deadline and node0.poll() is None
+            time.sleep(0.2)
+        time.sleep(2)
+        node1 = started(*common, "cluster.node_rank=1")
     for node in (node0, node1):
         out, err = node.communicate(timeout=300)
         assert node.returncode == 0, err

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from pathlib import Path
 
 import yaml
@@ -79,25 +80,78 @@ def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Pat
     write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(exported))
 
 
-def wait_for_run_dir(cfg: RunConfig, since: float) -> Path:
-    """Nodes other than 0 use the run dir node 0 writes (a shared filesystem): wait for its run.yaml."""
-    path = Path(cfg.run_dir)
+LAUNCH_FILE = "launch.json"  # node 0's token for this launch (cluster=local with several nodes)
+TOKEN_KEY = "xtrain/launch"
+
+
+def _store(cfg: RunConfig, serve: bool):
+    """The rendezvous port's TCP store, for the launch handshake only (torchrun takes the port after it)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    c = cfg.cluster
+    return TCPStore(c.main_process_ip, c.main_process_port, None, serve, timedelta(seconds=c.timeout_s),
+                    wait_for_workers=False)
+
+
+def announce(cfg: RunConfig, path: Path) -> None:
+    """Node 0, its run dir written: a fresh token in it and on the rendezvous port, until every node has it."""
+    token = uuid.uuid4().hex
+    write_atomic(path / LAUNCH_FILE, json.dumps({"token": token, "nodes": cfg.cluster.nodes}) + "\n")
+    store = _store(cfg, serve=True)
+    store.set(TOKEN_KEY, token)
     deadline = time.time() + cfg.cluster.timeout_s
-    while not ((path / run_dir.RUN_CONFIG).exists() and (path / run_dir.RUN_CONFIG).stat().st_mtime >= since - 2):
+    while store.add(f"{TOKEN_KEY}/acks", 0) < cfg.cluster.nodes - 1:
         if time.time() > deadline:
             raise ConfigError(
-                f"cluster.node_rank={cfg.cluster.node_rank}: node 0 wrote no run.yaml in run_dir={cfg.run_dir} within "
-                f"cluster.timeout_s={cfg.cluster.timeout_s}; start node 0 with the same run_dir (on a shared filesystem)"
+                f"cluster.nodes={cfg.cluster.nodes}: only {store.add(f'{TOKEN_KEY}/acks', 0) + 1} node(s) came to "
+                f"{cfg.cluster.main_process_ip}:{cfg.cluster.main_process_port} within cluster.timeout_s="
+                f"{cfg.cluster.timeout_s}; start every node with the same cluster.main_process_ip/port"
+            )
+        time.sleep(0.1)
+
+
+def wait_for_run_dir(cfg: RunConfig) -> Path:
+    """Nodes other than 0 use the run dir node 0 writes for this launch (a shared filesystem): they learn its
+    token at the rendezvous port, whichever node started first, and read run.yaml once the token is there."""
+    try:
+        store = _store(cfg, serve=False)
+        token = store.get(TOKEN_KEY).decode()
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError is a RuntimeError
+        raise ConfigError(
+            f"cluster.node_rank={cfg.cluster.node_rank}: node 0 did not answer at {cfg.cluster.main_process_ip}:"
+            f"{cfg.cluster.main_process_port} within cluster.timeout_s={cfg.cluster.timeout_s} "
+            f"({type(err).__name__}); start node 0 with the same cluster.main_process_ip/port"
+        ) from None
+    path = Path(cfg.run_dir)
+    deadline = time.time() + 60  # a shared filesystem may show node 0's files a little later
+    while _token_in(path) != token:
+        if time.time() > deadline:
+            raise ConfigError(
+                f"run_dir={cfg.run_dir}: node 0's run dir for this launch is not there (its {LAUNCH_FILE} holds another "
+                "token, or none); give every node the same run_dir, on a filesystem they share"
             )
         time.sleep(0.2)
+    store.add(f"{TOKEN_KEY}/acks", 1)
     return path
 
 
-def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts, started: float) -> Path:
+def _token_in(path: Path) -> str | None:
+    try:
+        return json.loads((path / LAUNCH_FILE).read_text())["token"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
+def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
     """After `preflight`: the run dir with run.yaml (node 0), or node 0's run dir once written (other nodes)."""
     if cfg.cluster.node_rank > 0:
-        return wait_for_run_dir(cfg, started)
-    return write_run_dir(cfg, facts)
+        return wait_for_run_dir(cfg)
+    path = write_run_dir(cfg, facts)
+    if cfg.cluster.nodes > 1 and cfg.cluster.kind is ClusterKind.local:
+        announce(cfg, path)
+    return path
 
 
 def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:

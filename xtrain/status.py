@@ -54,7 +54,7 @@ def slurm_state(run_dir: Path) -> str | None:
     if shutil.which("squeue") is None:
         return f"job {job.job_id} (SLURM's commands are not on this machine's PATH)"
     state = monitor.job_state(job)
-    if state.split()[0] not in monitor.ACTIVE and state != "unknown":
+    if state.split()[0] not in monitor.ACTIVE and not state.startswith("unknown"):  # (unknown: never settled)
         monitor.settle(job, state)
     return f"job {job.job_id}: {state}"
 

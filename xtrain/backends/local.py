@@ -38,14 +38,13 @@ def check(cfg: RunConfig) -> None:
 
 def run(cfg: RunConfig) -> dict:
     """The CLI's single run: check, write the run dir, train (or print the plan: dry_run)."""
-    started = time.time()
     if cfg.dry_run:
         the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
         print(plan.render(the_plan))
         return {"dry_run": True, "fits": the_plan.fits}
     facts = launch.preflight(cfg)
     prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
-    return run_here(cfg, launch.write_or_wait(cfg, facts, started), data_ready=True)
+    return run_here(cfg, launch.write_or_wait(cfg, facts), data_ready=True)
 
 
 def prepare_data(cfg: RunConfig) -> None:

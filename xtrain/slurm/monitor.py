@@ -21,9 +21,15 @@ from xtrain.run_dir import SLURM_FILE, Status
 
 log = logging.getLogger("xtrain")
 
-POLL_S = 0.5
+# How often the follower asks SLURM (squeue, then sacct for jobs that left the queue): often while a job is
+# queued or starting, and as it ends (its result.json changed); seldom while it runs. Rank 0's lines reach
+# the terminal every TICK_S, from the log file, without asking SLURM.
+POLL_STARTING_S = 2.0
+POLL_RUNNING_S = 20.0
+TICK_S = 1.0
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
+ENDING = {Status.completed, Status.failed, Status.interrupted, Status.requeued}  # the run says its job ends
 ENDED_AS = {"COMPLETED": Status.completed, "CANCELLED": Status.cancelled, "TIMEOUT": Status.timeout,
             "PREEMPTED": Status.interrupted}
 
@@ -53,29 +59,40 @@ def recorded_job(path: Path) -> Job | None:
     return Job(entry["job_id"], path, Path(entry["log"]))
 
 
+class Unreachable(Exception):
+    """squeue or sacct failed (the controller or the accounting daemon is away): the jobs' state is unknown."""
+
+
+def _ask(args: list[str]) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        first = (proc.stderr.strip() or proc.stdout.strip() or f"exit code {proc.returncode}").splitlines()[0]
+        raise Unreachable(f"{args[0]}: {first}")
+    return proc.stdout
+
+
 def live_states(job_ids: list[str]) -> dict[str, tuple[str, str, str]]:
-    """Jobs SLURM still holds: id → (state, reason, nodes)."""
+    """Jobs SLURM still holds: id → (state, reason, nodes). Unreachable where squeue fails."""
     if not job_ids:
         return {}
     masters = sorted({j.split("_")[0] for j in job_ids})
-    proc = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(masters), "-o", "%i|%T|%r|%N"],
-                          capture_output=True, text=True)
+    out = _ask(["squeue", "-h", "-r", "-j", ",".join(masters), "-o", "%i|%T|%r|%N"])
     states = {}
-    for line in proc.stdout.splitlines():
+    for line in out.splitlines():
         job_id, state, reason, nodes = line.split("|")
         states[job_id] = (state, reason, nodes)
     return states
 
 
 def final_states(job_ids: list[str]) -> dict[str, str]:
-    """Accounting's state of jobs (e.g. COMPLETED, FAILED, CANCELLED, TIMEOUT); sacct lags a few seconds."""
+    """Accounting's state of jobs (e.g. COMPLETED, FAILED, CANCELLED, TIMEOUT); sacct lags a few seconds.
+    Unreachable where sacct fails."""
     if not job_ids:
         return {}
     masters = sorted({j.split("_")[0] for j in job_ids})
-    proc = subprocess.run(["sacct", "-n", "-P", "-X", "-j", ",".join(masters), "-o", "JobID,State"],
-                          capture_output=True, text=True)
+    out = _ask(["sacct", "-n", "-P", "-X", "-j", ",".join(masters), "-o", "JobID,State"])
     states = {}
-    for line in proc.stdout.splitlines():
+    for line in out.splitlines():
         job_id, state = line.split("|")
         states[job_id] = state.split()[0] if state else ""
     return states
@@ -83,11 +100,13 @@ def final_states(job_ids: list[str]) -> dict[str, str]:
 
 def job_state(job: Job) -> str:
     """Where a recorded job stands now (for xtrain.status)."""
-    live = live_states([job.job_id])
-    if job.job_id in live:
-        state, reason, nodes = live[job.job_id]
-        return describe(state, reason, nodes)
-    return final_states([job.job_id]).get(job.job_id, "unknown")
+    try:
+        live = live_states([job.job_id])
+        if job.job_id in live:
+            return describe(*live[job.job_id])
+        return final_states([job.job_id]).get(job.job_id, "unknown")
+    except Unreachable as err:
+        return f"unknown: SLURM does not answer ({err})"
 
 
 def describe(state: str, reason: str, nodes: str) -> str:
@@ -124,37 +143,66 @@ def settle(job: Job, state: str) -> dict:
 
 
 def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | None = None) -> None:
-    """Until every job has ended: log state changes (and rank 0's lines from `tail`), `on_end` each job."""
+    """Until every job has ended: log state changes (and rank 0's lines from `tail`), `on_end` each job.
+    A controller that does not answer leaves the jobs' state unknown, never ended: one line says so."""
     waiting = {j.job_id: j for j in jobs}
     shown: dict[str, str] = {}
     offset = 0
     unseen_since: dict[str, float] = {}
+    away: str | None = None  # why SLURM does not answer, while it does not
+    marks = {job_id: _mark(job) for job_id, job in waiting.items()}
+    next_ask = 0.0
     while waiting:
-        live = live_states(list(waiting))
-        gone = [j for j in waiting if j not in live]
-        ended = final_states(gone) if gone else {}
-        for job_id, job in list(waiting.items()):
-            if job_id in live:
-                text = describe(*live[job_id])
-            elif ended.get(job_id, "PENDING") not in ACTIVE:
-                text = ended[job_id]
-            else:  # left the queue, not yet in accounting: sacct lags
-                unseen_since.setdefault(job_id, time.time())
-                if time.time() - unseen_since[job_id] < 60:
-                    continue
-                text = "UNKNOWN"
-            if shown.get(job_id) != text:
-                shown[job_id] = text
-                log.info("slurm job %s%s: %s", job_id, f" ({job.label})" if job.label else "", text)
-            if job_id not in live:
-                if tail is not None:
-                    offset = _echo_new_lines(tail, offset)
-                del waiting[job_id]
-                on_end(job, settle(job, text))
+        now = {job_id: _mark(job) for job_id, job in waiting.items()}
+        if time.time() >= next_ask or now != {k: marks[k] for k in now}:  # (a run that writes result.json ends soon)
+            marks.update(now)
+            try:
+                live = live_states(list(waiting))
+                gone = [j for j in waiting if j not in live]
+                ended = final_states(gone) if gone else {}
+            except Unreachable as err:
+                if away is None:
+                    log.info("slurm: %s; the job's state is unknown, still following it", err)
+                away = str(err)
+                next_ask = time.time() + POLL_STARTING_S
+                live = None
+            if live is not None:
+                if away is not None:
+                    log.info("slurm: answering again")
+                    away = None
+                for job_id, job in list(waiting.items()):
+                    if job_id in live:
+                        text = describe(*live[job_id])
+                    elif ended.get(job_id, "PENDING") not in ACTIVE:
+                        text = ended[job_id]
+                    else:  # left the queue, not yet in accounting: sacct lags
+                        unseen_since.setdefault(job_id, time.time())
+                        if time.time() - unseen_since[job_id] < 60:
+                            continue
+                        text = "UNKNOWN"
+                    if shown.get(job_id) != text:
+                        shown[job_id] = text
+                        log.info("slurm job %s%s: %s", job_id, f" ({job.label})" if job.label else "", text)
+                    if job_id not in live:
+                        if tail is not None:
+                            offset = _echo_new_lines(tail, offset)
+                        del waiting[job_id]
+                        on_end(job, settle(job, text))
+                steady = (live and all(state == "RUNNING" for state, _, _ in live.values()) and not unseen_since
+                          and not any(rundir.read_result(job.path).get("status") in ENDING for job in waiting.values()))
+                next_ask = time.time() + (POLL_RUNNING_S if steady else POLL_STARTING_S)
         if tail is not None:
             offset = _echo_new_lines(tail, offset)
         if waiting:
-            time.sleep(POLL_S)
+            time.sleep(TICK_S)
+
+
+def _mark(job: Job) -> float | None:
+    """When the job's run last wrote its result.json (it does as it starts, stops and ends)."""
+    try:
+        return (job.path / rundir.RESULT).stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 def _echo_new_lines(path: Path, offset: int) -> int:
@@ -183,5 +231,10 @@ def cancel(jobs: list[Job]) -> None:
         return
     subprocess.run(["scancel", *ids], capture_output=True)
     deadline = time.time() + 30
-    while live_states(ids) and time.time() < deadline:
-        time.sleep(POLL_S)
+    while time.time() < deadline:
+        try:
+            if not live_states(ids):
+                return
+        except Unreachable:
+            return
+        time.sleep(0.5)

@@ -24,7 +24,7 @@ from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
 from xtrain.hardware import NODE_SIDE
 from xtrain.run_dir import SLURM_FILE
-from xtrain.slurm.monitor import Job, cancel, describe, live_states, query, recorded_job
+from xtrain.slurm.monitor import Job, Unreachable, cancel, describe, live_states, query, recorded_job
 from xtrain.slurm.node import run_node
 
 
@@ -95,7 +95,10 @@ def check(cfg: RunConfig) -> None:
                           f"use cluster.nodes<={part.nodes}")
     job = recorded_job(Path(cfg.run_dir))
     if job is not None:
-        live = live_states([job.job_id])
+        try:
+            live = live_states([job.job_id])
+        except Unreachable as err:
+            raise ConfigError(f"cluster=slurm: {err}; try again once the SLURM controller answers") from None
         if job.job_id in live:
             raise ConfigError(f"run_dir={cfg.run_dir}: SLURM job {job.job_id} is still {describe(*live[job.job_id])} "
                               f"there; wait for it (python -m xtrain.status {cfg.run_dir}) or scancel {job.job_id}")
