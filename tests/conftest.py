@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from xtrain import backends, config
@@ -249,6 +251,39 @@ MACHINE_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 class SlurmCluster:
     conf: Path  # the cluster's own slurm.conf (SLURM_CONF for every client)
     machine_conf_before: bytes  # /etc/slurm/slurm.conf as it was before the cluster started
+
+    def _pid_file(self, name: str) -> Path:
+        return SLURM_BASE / "pids" / f"{name}.pid"
+
+    def stop(self, name: str, kill_jobs: bool = False) -> None:
+        """Stop one daemon: `slurmctld` as an operator would (SIGTERM, its state saved), or a node's `slurmd-nX`
+        and (`kill_jobs`) everything running on that node, as a node that dies does (SIGKILL)."""
+        pid = int(self._pid_file(name).read_text())
+        if kill_jobs:  # the node's processes: those in its UTS namespace (start_slurm.sh gives each node its own)
+            namespace = os.readlink(f"/proc/{pid}/ns/uts")
+            for proc in psutil.process_iter():
+                with contextlib.suppress(OSError, psutil.Error):
+                    if os.readlink(f"/proc/{proc.pid}/ns/uts") == namespace:
+                        proc.kill()
+        else:
+            os.kill(pid, signal.SIGTERM)
+        psutil.wait_procs([psutil.Process(pid)], timeout=30) if psutil.pid_exists(pid) else None
+
+    def start(self, name: str) -> None:
+        """Start a daemon `stop` stopped, as start_slurm.sh does (slurmctld recovers its saved state)."""
+        if name == "slurmctld":
+            argv = ["/usr/sbin/slurmctld", "-D"]
+        else:
+            node = name.split("-")[1]
+            argv = ["unshare", "--uts", "sh", "-c", f"hostname {node} && exec /usr/sbin/slurmd -D -N {node}"]
+        with open(SLURM_BASE / "log" / f"{name}.out", "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
+        self._pid_file(name).write_text(f"{proc.pid}\n")
+        if name == "slurmctld":
+            deadline = time.time() + 60
+            while subprocess.run(["scontrol", "ping"], capture_output=True).returncode != 0:
+                assert time.time() < deadline, "slurmctld did not come back"
+                time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

@@ -101,3 +101,53 @@ def test_help_lists_every_group():
     for group in cli.GROUP_SCHEMAS:
         assert f"{group}:" in out
     assert "tiny_gpt2, tiny_llama" in out
+
+
+NO_PARTITION = ["cluster=slurm", "cluster.gpus_per_node=0", "cluster.cpus_per_task=1"]  # (no SLURM needed)
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("cluster.job_name='a\nb'", "cluster.job_name='a\\nb': holds a control character"),
+    ("+cluster.sbatch_args.comment='a\nb'", "cluster.sbatch_args.comment='comment=a\\nb': holds a control character"),
+    ("cluster.setup=['module load cuda\r']", "cluster.setup[0]='module load cuda\\r': holds a control character"),
+    ("cluster.partition='gpu\t'", "cluster.partition='gpu\\t': holds a control character"),
+])
+def test_a_control_character_in_what_reaches_the_sbatch_script_is_refused(override, expected):
+    with pytest.raises(ConfigError) as err:
+        compose_run(*NO_PARTITION, override)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+
+
+def test_a_newline_in_an_sbatch_args_key_is_refused():
+    """(Hydra's command line cannot spell one; a config file or the Python API can.)"""
+    with pytest.raises(ConfigError, match="holds a control character"):
+        config.from_container({"cluster": {"kind": "slurm", "sbatch_args": {"mail-type\nx": "END"}}})
+
+
+@pytest.mark.parametrize("override, name", [
+    ("cluster.setup=['export HF_TOKEN=hf_abc']", "HF_TOKEN"),
+    ("cluster.setup=['WANDB_API_KEY=x python -c pass']", "WANDB_API_KEY"),
+    ("+cluster.sbatch_args.export='ALL,AWS_SECRET_ACCESS_KEY=x'", "AWS_SECRET_ACCESS_KEY"),
+    ("cluster.srun_args=['--export=ALL,DB_PASSWORD=x']", "DB_PASSWORD"),
+])
+def test_a_secret_in_the_shell_strings_is_refused_without_repeating_it(override, name):
+    with pytest.raises(ConfigError) as err:
+        compose_run(*NO_PARTITION, override)
+    text = str(err.value)
+    assert f"{name}=... looks like a secret" in text and f"export {name} in the shell you submit from" in text
+    assert "hf_abc" not in text and "=x" not in text
+
+
+def test_ordinary_assignments_in_setup_lines_pass():
+    cfg = compose_run(*NO_PARTITION, "cluster.setup=['export KEYRING_PATH=/x', 'export OMP_PROC_BIND=close']")
+    assert cfg.cluster.setup == ["export KEYRING_PATH=/x", "export OMP_PROC_BIND=close"]
+
+
+def test_tracker_hyperparameters_leave_out_the_cluster_shell_strings():
+    from xtrain import tracking
+
+    cfg = compose_run(*NO_PARTITION, "cluster.setup=['source /secrets/env.sh']", "cluster.srun_args=['--mpi=pmix']",
+                      "+cluster.sbatch_args.mail-user=me@example.com")
+    params = tracking.hyperparameters(cfg)
+    assert not [k for k in params if k.split("/")[-1] in ("setup", "srun_args", "sbatch_args") or "mail" in k]
+    assert "source /secrets" not in str(params) and params["cluster/job_name"] == "xtrain"

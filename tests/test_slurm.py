@@ -21,7 +21,8 @@ from corpus import documents, write
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
-SLURM = ["cluster=slurm", "cluster.time_limit=10"]
+ALL_CPUS = ["cluster=slurm", "cluster.time_limit=10"]  # each node's task asks for all of the node's CPUs
+SLURM = [*ALL_CPUS, "cluster.cpus_per_task=1"]  # one of each node's 2 CPUs: two jobs share the test's nodes
 TINY = ["trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=2", "trainer.eval_every=3",
         "trainer.save_every=3", "trainer.batch_size=4"]
 
@@ -30,9 +31,9 @@ def job_id(run_dir: Path) -> str:
     return json.loads((run_dir / "slurm.json").read_text())["job_id"]
 
 
-def sacct_state(job: str) -> str:
+def sacct_state(job: str, timeout: float = 20) -> str:
     """Accounting's final state of a job (it lags a few seconds behind the job's end)."""
-    for _ in range(100):
+    for _ in range(int(timeout / 0.2)):
         out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,State"], capture_output=True,
                              text=True).stdout
         states = dict(line.split("|") for line in out.splitlines())
@@ -75,11 +76,16 @@ def test_a_single_node_job_trains_in_the_run_dir_itself(tmp_path):
 def test_two_nodes_follow_the_local_two_process_run(tmp_path, ddp_two_processes):
     run_dir = tmp_path / "run"
     two_nodes = [o for o in SHARDED if not o.startswith("cluster.num_processes")]
-    run_xtrain(f"run_dir={run_dir}", *SLURM, "cluster.nodes=2", "cluster.num_processes=1", *two_nodes)
+    run_xtrain(f"run_dir={run_dir}", *ALL_CPUS, "cluster.nodes=2", "cluster.num_processes=1", *two_nodes)
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["world_size"] == 2
     assert result["hosts"] == ["n1", "n2"]  # one rank on each node, rendezvous at the first
     assert result["rendezvous"].startswith("n1:")
+    # each node's task has every CPU of its node (cpus_per_task=all), bound to them, its worker threads as many
+    cores = f"0-{os.cpu_count() - 1}" if os.cpu_count() > 1 else "0"
+    assert result["cpu_threads"] == [os.cpu_count()] * 2 and result["cpu_cores"] == [cores] * 2
+    script = next((run_dir / "logs").glob("*_submission.sh")).read_text()
+    assert f"#SBATCH --cpus-per-task={os.cpu_count()}" in script and f"--cpus-per-task={os.cpu_count()} " in script
     assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
     job = job_id(run_dir)
     assert (run_dir / "logs" / f"{job}_1_log.out").exists()  # node 1's task output, beside node 0's
@@ -113,7 +119,7 @@ def sweep_rows(sweep_dir: Path) -> list[dict]:
 
 def test_a_sweep_is_one_job_array_and_resumes_without_resubmitting_finished_points(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", f"run_dir={sweep_dir}", *SLURM, "cluster.cpus_per_task=2", "hydra.launcher.array_parallelism=2",
+    args = ["-m", f"run_dir={sweep_dir}", *ALL_CPUS, "cluster.cpus_per_task=2", "hydra.launcher.array_parallelism=2",
             "trainer.batch_size=4,2000", "trainer.grad_accum=1,2", *TINY[:-1]]
     proc = run_xtrain(*args, check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -198,8 +204,13 @@ def test_not_waiting_returns_at_once_and_status_follows_the_job(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["cluster.partition=gpu"], "cluster.partition=gpu: no such partition; this cluster has debug"),
+    (["cluster.partition=big"], "cluster.partition=big: no such partition; this cluster has debug, gpu"),
     (["cluster.nodes=3"], "cluster.nodes=3: partition debug has 2 node(s); use cluster.nodes<=2"),
+    (["cluster.partition=gpu", "cluster.gpus_per_node=3"],
+     "cluster.gpus_per_node=3: the nodes of partition gpu have 2 GPU(s); use cluster.gpus_per_node<=2"),
+    (["cluster.partition=gpu", "cluster.cpus_per_task=64"], "cluster.cpus_per_task=64: the nodes of partition gpu have"),
+    (["cluster.partition=gpu", "cluster.num_processes=3"],
+     "cluster.num_processes=3: cluster.gpus_per_node=2; use cluster.num_processes<=2 (or auto)"),
     (["cluster.gpus_per_node=1"],
      "cluster.gpus_per_node=1: the nodes of partition debug have 0 GPU(s); use cluster.gpus_per_node<=0"),
     (["cluster.time_limit=1:99"],
@@ -250,9 +261,13 @@ def test_container_image_goes_on_the_srun_line(tmp_path):
                              "dry_run=true")
     [srun] = [line for line in proc.stdout.splitlines() if line.startswith("srun ")]
     logs = run_dir / "logs"
-    assert srun == (f"srun --unbuffered --output {logs}/%j_%t_log.out --kill-on-bad-exit=1 "
+    cpus = os.cpu_count()
+    assert srun == (f"srun --unbuffered --output {logs}/%j_%t_log.out --cpus-per-task={cpus} --kill-on-bad-exit=1 "
                     "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/data:/data "
-                    f"--cpu-bind=none {sys.executable} -u -m submitit.core._submit {logs}")
+                    f"--cpu-bind=none python3 -u -m submitit.core._submit {logs}")  # the image's interpreter
+    proc = xtrain_in_process(f"run_dir={run_dir}", *SLURM, "cluster.container_image=img",
+                             "cluster.container_python=/opt/venv/bin/python", "dry_run=true")
+    assert "--container-image=img /opt/venv/bin/python -u -m submitit.core._submit" in proc.stdout
 
 
 def test_status_of_a_sweep_that_was_not_waited_for(tmp_path):
@@ -277,4 +292,4 @@ def test_the_cluster_leaves_the_machines_own_slurm_config_alone(slurm_cluster):
     assert Path("/etc/slurm/slurm.conf").read_bytes() == slurm_cluster.machine_conf_before
     assert not Path("/etc/slurm/slurmdbd.conf").exists() or "start_slurm" not in Path("/etc/slurm/slurmdbd.conf").read_text()
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()
-    assert sorted(set(nodes)) == ["n1", "n2"]  # the clients reach the cluster through SLURM_CONF alone
+    assert sorted(set(nodes)) == ["n1", "n2", "n3", "n4"]  # the clients reach the cluster through SLURM_CONF alone

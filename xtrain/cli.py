@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from xtrain import config
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
+from xtrain.files import keep_private
 
 GROUP_SCHEMAS = {
     "model": config.ModelConfig,
@@ -88,6 +89,7 @@ def make_launchers_visible() -> None:
 
 
 def main() -> None:
+    keep_private()
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ["HYDRA_FULL_ERROR"] = "1"

@@ -22,6 +22,12 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
+def keep_private() -> None:
+    """What this process (and what it starts) creates is never group- or world-writable, whatever the umask: a
+    checkpoint or a pickle that someone else can replace runs their code as you when it is loaded."""
+    os.umask(os.umask(0) | 0o022)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

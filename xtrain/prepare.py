@@ -15,9 +15,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from xtrain import cli, config
 from xtrain.errors import ConfigError
+from xtrain.files import keep_private
 
 
 def main(argv: list[str] | None = None) -> None:
+    keep_private()
     cli.register_schemas()
     try:
         with initialize_config_module("xtrain.conf", version_base="1.3"):

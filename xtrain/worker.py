@@ -21,7 +21,7 @@ import yaml
 
 from xtrain import stopping
 from xtrain.errors import ConfigError, Diverged, Terminated
-from xtrain.files import write_atomic
+from xtrain.files import keep_private, write_atomic
 from xtrain.run_dir import ERRORS_DIR
 
 
@@ -61,6 +61,7 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
 def main() -> None:
     run_dir = Path(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
+    keep_private()
     configure_logging()  # quieter on ranks other than 0
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)

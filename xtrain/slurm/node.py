@@ -16,6 +16,7 @@ from pathlib import Path
 from xtrain import run_dir as rundir
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, LaunchFailed, Stopped
+from xtrain.files import keep_private
 from xtrain.slurm.monitor import query
 
 log = logging.getLogger("xtrain")
@@ -49,6 +50,7 @@ def run_node(run_dir: str) -> dict:
     from xtrain.worker import configure_logging
 
     os.environ[hardware.NODE_SIDE] = "1"  # this process and its workers run the job; they submit nothing
+    keep_private()
     configure_logging()
     logging.getLogger("submitit").propagate = False  # it has a handler of its own
     path = Path(run_dir)
