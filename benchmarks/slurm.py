@@ -11,9 +11,15 @@
    the time from the signal to the requeued job's first step. The test cluster holds a requeued job for
    10 s (cred_expire=10, its minimum is 5; SLURM's default is 120 s): that is part of the figure.
 
-Starts the test cluster if none is running (as root), and stops what it started.
+4. Following a job: the `squeue` and `sacct` calls the waiting command makes per minute of a 1-node job
+   that trains ~60 s (counted by shims on PATH that log each call and run the real command).
+   `PYTHONPATH=<an older checkout> python benchmarks/slurm.py --parts follow` measures that checkout's.
 
-    python benchmarks/slurm.py [--repeats 3] [--steps 20] [--parts latency,sweep,stops]
+The test cluster binds each task to its CPUs (task/cgroup + task/affinity where cgroup v1 is mounted):
+the latencies are with binding on. Starts the test cluster if none is running (as root), and stops
+what it started.
+
+    python benchmarks/slurm.py [--repeats 3] [--steps 20] [--parts latency,sweep,stops,follow]
 """
 
 from __future__ import annotations
@@ -81,6 +87,23 @@ def stop_cost(run_dir: Path, command: list[str]) -> tuple[int, float]:
     return restart["steps_lost"], result["first_step_at"] - sent
 
 
+def follower_calls(tmp: Path) -> tuple[float, float]:
+    """(squeue calls, sacct calls) per minute the waiting command makes while following a ~60 s job."""
+    shims, calls = tmp / "shims", tmp / "calls.log"
+    shims.mkdir()
+    for name in ("squeue", "sacct"):
+        real = subprocess.run(["which", name], capture_output=True, text=True, check=True).stdout.strip()
+        (shims / name).write_text(f"#!/bin/sh\necho {name} >> {calls}\nexec {real} \"$@\"\n")
+        (shims / name).chmod(0o755)
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "xtrain", f"run_dir={tmp / 'follow'}", "cluster=slurm", "cluster.time_limit=10",
+                    "trainer.max_steps=240", "trainer.log_every=20", "trainer.eval_every=240", "trainer.save_every=240"],
+                   cwd=REPO, check=True, capture_output=True, env={**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"})
+    minutes = (time.perf_counter() - start) / 60
+    names = calls.read_text().split()
+    return names.count("squeue") / minutes, names.count("sacct") / minutes
+
+
 def cluster_running() -> bool:
     return subprocess.run(["scontrol", "ping"], capture_output=True).returncode == 0
 
@@ -89,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--parts", default="latency,sweep,stops")
+    parser.add_argument("--parts", default="latency,sweep,stops,follow")
     args = parser.parse_args()
     parts = args.parts.split(",")
     started = False
@@ -111,6 +134,7 @@ def main() -> None:
         stops = {"with warning (scancel --signal=USR2)": ["scancel", "--signal=USR2"],
                  "without warning (scontrol requeue)": ["scontrol", "requeue"]}
         stop_costs: dict[str, list[tuple[int, float]]] = {name: [] for name in stops}
+        follows: list[tuple[float, float]] = []
         with tempfile.TemporaryDirectory() as tmp:
             first_step_latency(Path(tmp, "warm-cache"))  # tokenizer and data cache, not part of the measurement
             for i in range(args.repeats):
@@ -124,6 +148,9 @@ def main() -> None:
                 if "stops" in parts:
                     for case, (name, command) in enumerate(stops.items()):
                         stop_costs[name].append(stop_cost(Path(tmp, f"stop-{i}-{case}"), command))
+                if "follow" in parts:
+                    Path(tmp, f"follow-{i}").mkdir()
+                    follows.append(follower_calls(Path(tmp, f"follow-{i}")))
         print(f"medians of {args.repeats}; test cluster: 2 nodes on one 2-core machine")
         if "latency" in parts:
             print("submit-to-first-step latency:")
@@ -139,6 +166,9 @@ def main() -> None:
                 lost = statistics.median(v[0] for v in values)
                 down = statistics.median(v[1] for v in values)
                 print(f"  {name:38} steps lost {lost:4.1f} | signal to the requeued job's first step {down:5.1f} s")
+        if "follow" in parts:
+            squeue, sacct = (statistics.median(v[k] for v in follows) for k in (0, 1))
+            print(f"following a 1-node job of ~60 s: {squeue:.1f} squeue and {sacct:.1f} sacct calls per minute")
     finally:
         if started:
             subprocess.run(["bash", str(SCRIPTS / "stop_slurm.sh")], capture_output=True)

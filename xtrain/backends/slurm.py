@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -41,9 +42,15 @@ def run(cfg: RunConfig) -> dict:
         print(request_line(cfg))
         print(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, folder)}")
         return {"dry_run": True}
+    fresh = not (Path(cfg.run_dir) / rundir.RUN_CONFIG).exists()
     path = launch.write_run_dir(cfg, facts)
     log.info("%s", request_line(cfg))
-    [job] = submit([(job_parameters(cfg), [path])], folder)
+    try:
+        [job] = submit([(job_parameters(cfg), [path])], folder)
+    except ConfigError:  # sbatch refused (or the controller went away since the checks): nothing half-written
+        if fresh:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
     log.info("submitted SLURM job %s: run dir %s", job.job_id, path)
     if not cfg.cluster.wait:
         log.info("not waiting (cluster.wait=false); see it with: python -m xtrain.status %s", path)
