@@ -103,3 +103,37 @@ def test_the_controller_going_away_mid_job_leaves_it_followed_to_its_end(tmp_pat
     assert "slurm: answering again" in out and f"slurm job {job_id(run_dir)}: COMPLETED" in out
     assert read_result(run_dir)["status"] == "completed"
     assert_equal_weights(unbroken, run_dir)
+
+
+def test_a_lost_node_requeues_the_job_which_resumes_from_its_newest_checkpoint_bitwise(tmp_path, slurm_cluster):
+    """n2's slurmd and every process on it are killed mid-job: SLURM marks n2 DOWN (SlurmdTimeout=30) and requeues
+    the job; once n2 is back the job resumes from its newest checkpoint and ends bitwise equal to the unbroken run,
+    its result.json counting the restart and the steps lost."""
+    args = [*SLURM, "cluster.nodes=2", "cluster.num_processes=1", "trainer.max_steps=60", "trainer.log_every=1",
+            "trainer.eval_every=30", "trainer.save_every=10", "trainer.batch_size=4"]
+    unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
+    run_xtrain(f"run_dir={unbroken}", *args)  # (not alongside: the lost node would take it down too)
+    proc = start_xtrain(f"run_dir={run_dir}", *args)
+    wait_for_step(run_dir, 24, proc, timeout=300)
+    slurm_cluster.stop("slurmd-n2", kill_jobs=True)
+    try:
+        deadline = time.time() + 180
+        while "down" not in subprocess.run(["sinfo", "-h", "-N", "-n", "n2", "-o", "%T"], capture_output=True,
+                                           text=True).stdout:
+            assert time.time() < deadline, "n2 was never marked DOWN"
+            time.sleep(1)
+    finally:
+        slurm_cluster.start("slurmd-n2")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["steps"] == 60
+    # the first restart: the lost node's (its attempt ended `failed`: the surviving rank's collective broke). SLURM
+    # 22.05 here then sends the requeued incarnation's task on the returned node a SIGTERM meant for the lost one
+    # (~10-30 s after it starts); xtrain takes it as a stop at a step boundary and requeues: nothing more is lost.
+    lost, *later = result["restarts"]
+    assert lost["at_step"] in (20, 30) and lost["slurm_restart_count"] == 1 and lost["ended"] == "failed"
+    assert lost["steps_lost"] >= 24 - lost["at_step"] and all(r["steps_lost"] == 0 for r in later)
+    assert result["steps_lost"] == lost["steps_lost"]
+    assert "resumed from" in out and f"slurm job {job_id(run_dir)}: COMPLETED" in out
+    assert_equal_weights(unbroken, run_dir)
