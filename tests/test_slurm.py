@@ -261,8 +261,7 @@ def test_container_image_goes_on_the_srun_line(tmp_path):
                              "dry_run=true")
     [srun] = [line for line in proc.stdout.splitlines() if line.startswith("srun ")]
     logs = run_dir / "logs"
-    cpus = os.cpu_count()
-    assert srun == (f"srun --unbuffered --output {logs}/%j_%t_log.out --cpus-per-task={cpus} --kill-on-bad-exit=1 "
+    assert srun == (f"srun --unbuffered --output {logs}/%j_%t_log.out --cpus-per-task=1 --kill-on-bad-exit=1 "
                     "'--container-image=nvcr.io#nvidia/pytorch:24.05-py3' --container-mounts=/data:/data "
                     f"--cpu-bind=none python3 -u -m submitit.core._submit {logs}")  # the image's interpreter
     proc = xtrain_in_process(f"run_dir={run_dir}", *SLURM, "cluster.container_image=img",

@@ -163,7 +163,7 @@ def job_parameters(cfg: RunConfig) -> dict:
 def executor(folder: Path, params: dict):
     import submitit
 
-    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=params["python"])
+    ex = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=params.get("python"))  # None: this one
     ex.update_parameters(**{k: v for k, v in params.items() if k != "python"})
     return ex
 
