@@ -112,3 +112,25 @@ def test_a_half_written_rank_error_never_hides_the_real_one(tmp_path):
     files.write_atomic(errors / "rank1.json", json.dumps({"rank": 1, "time": 2, "terminated": False,
                                                           "summary": "RuntimeError: the real one"}))
     assert rundir.first_rank_error(tmp_path)["summary"] == "RuntimeError: the real one"
+
+
+def test_the_echo_of_a_job_output_starts_over_when_a_requeue_writes_it_anew(tmp_path, capsys):
+    """SLURM truncates a requeued job's output: the echo notices by its first bytes, even where the new output has
+    grown past the old end between two looks, and prints the new incarnation's lines from its start."""
+    from xtrain.slurm.monitor import Tail
+
+    out = tmp_path / "0_log.out"
+    out.write_text("[10:00:01] start\nstep 1\nstep 2\npart")
+    echo = Tail(out)
+    echo.echo_new_lines()
+    assert capsys.readouterr().out == "[10:00:01] start\nstep 1\nstep 2\n"
+    with open(out, "a") as f:
+        f.write("ial line\nsubmitit INFO bookkeeping\n")
+    echo.echo_new_lines()
+    assert capsys.readouterr().out == "partial line\n"
+    out.write_text("[10:05:00] start\nresumed from step 2\nstep 3\nstep 4\nstep 5\n")  # longer than before
+    echo.echo_new_lines()
+    assert capsys.readouterr().out == "[10:05:00] start\nresumed from step 2\nstep 3\nstep 4\nstep 5\n"
+    out.write_text("[10:09:00] x\n")  # shorter than before
+    echo.echo_new_lines()
+    assert capsys.readouterr().out == "[10:09:00] x\n"

@@ -135,5 +135,9 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_newest_checkpoint_b
     assert lost["at_step"] in (20, 30) and lost["slurm_restart_count"] == 1 and lost["ended"] == "failed"
     assert lost["steps_lost"] >= 24 - lost["at_step"] and all(r["steps_lost"] == 0 for r in later)
     assert result["steps_lost"] == lost["steps_lost"]
-    assert "resumed from" in out and f"slurm job {job_id(run_dir)}: COMPLETED" in out
+    assert "resumed from" in out, out[-3000:]
+    # the stray SIGTERM may also reach the last incarnation's task after its run completed: SLURM then says FAILED
+    assert f"slurm job {job_id(run_dir)}: COMPLETED" in out or (
+        result["slurm_state"] == "FAILED" and "its run had completed (result.json) before SLURM ended it FAILED" in out
+    ), out[-3000:]
     assert_equal_weights(unbroken, run_dir)

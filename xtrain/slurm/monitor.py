@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ log = logging.getLogger("xtrain")
 POLL_STARTING_S = 2.0
 POLL_RUNNING_S = 20.0
 TICK_S = 1.0
+HEAD_BYTES = 256  # of an output file, to tell it was written anew
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
           "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 ENDING = {Status.completed, Status.failed, Status.interrupted, Status.requeued}  # the run says its job ends
@@ -123,6 +125,7 @@ def settle(job: Job, state: str) -> dict:
     result = rundir.read_result(path)
     if result.get("status") == Status.completed:  # the run's own record: a task ending badly after it does not undo it
         if state != "COMPLETED":
+            log.info("slurm job %s: its run had completed (result.json) before SLURM ended it %s", job.job_id, state)
             result = rundir.update_result(path, {"slurm_state": state})
         return result
     if state == "COMPLETED" and result.get("stop"):
@@ -147,7 +150,7 @@ def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | No
     A controller that does not answer leaves the jobs' state unknown, never ended: one line says so."""
     waiting = {j.job_id: j for j in jobs}
     shown: dict[str, str] = {}
-    offset = 0
+    echo = Tail(tail) if tail is not None else None
     unseen_since: dict[str, float] = {}
     away: str | None = None  # why SLURM does not answer, while it does not
     marks = {job_id: _mark(job) for job_id, job in waiting.items()}
@@ -184,15 +187,15 @@ def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | No
                         shown[job_id] = text
                         log.info("slurm job %s%s: %s", job_id, f" ({job.label})" if job.label else "", text)
                     if job_id not in live:
-                        if tail is not None:
-                            offset = _echo_new_lines(tail, offset)
+                        if echo is not None:
+                            echo.echo_new_lines()
                         del waiting[job_id]
                         on_end(job, settle(job, text))
                 steady = (live and all(state == "RUNNING" for state, _, _ in live.values()) and not unseen_since
                           and not any(rundir.read_result(job.path).get("status") in ENDING for job in waiting.values()))
                 next_ask = time.time() + (POLL_RUNNING_S if steady else POLL_STARTING_S)
-        if tail is not None:
-            offset = _echo_new_lines(tail, offset)
+        if echo is not None:
+            echo.echo_new_lines()
         if waiting:
             time.sleep(TICK_S)
 
@@ -205,23 +208,35 @@ def _mark(job: Job) -> float | None:
         return None
 
 
-def _echo_new_lines(path: Path, offset: int) -> int:
-    """Whole lines added to `path` since `offset`, to this terminal."""
-    try:
-        if path.stat().st_size < offset:  # written anew (a requeued job's output, where not appended)
-            offset = 0
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return offset
-    end = data.rfind(b"\n") + 1
-    lines = [line for line in data[:end].decode(errors="replace").splitlines(keepends=True)
-             if not line.startswith("submitit ")]  # submitit's own bookkeeping
-    if lines:
-        sys.stdout.write("".join(lines))
-        sys.stdout.flush()
-    return offset + end
+@dataclass
+class Tail:
+    """Where the echo of a job's output file stands. A requeued job's output is written anew (SLURM truncates
+    it): its first bytes then differ from those seen, even where it has grown past the old end between looks."""
+
+    path: Path
+    offset: int = 0
+    head: bytes = b""
+
+    def echo_new_lines(self) -> None:
+        """Whole lines added since the last look, to this terminal."""
+        try:
+            with open(self.path, "rb") as f:
+                head = f.read(HEAD_BYTES)
+                common = min(len(head), len(self.head))
+                if os.fstat(f.fileno()).st_size < self.offset or head[:common] != self.head[:common]:
+                    self.offset = 0
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self.head = head
+        end = data.rfind(b"\n") + 1
+        lines = [line for line in data[:end].decode(errors="replace").splitlines(keepends=True)
+                 if not line.startswith("submitit ")]  # submitit's own bookkeeping
+        if lines:
+            sys.stdout.write("".join(lines))
+            sys.stdout.flush()
+        self.offset += end
 
 
 def cancel(jobs: list[Job]) -> None:
