@@ -138,9 +138,70 @@ def test_same_meanings_as_accelerate_launch_for_the_environment():
     ({"num_processes": 2, "use_deepspeed": True}, r"use_deepspeed=True\): DeepSpeed needs CUDA GPUs"),
     ({"num_processes": 2, "mixed_precision": "fp16"}, r"mixed_precision='fp16'\): needs a CUDA GPU"),
     ({"num_processes": 2, "cpu": False}, r"cpu=False\): this machine has no CUDA GPU, so every rank would train alone"),
+    ({"num_processes": 2, "gpu_ids": "0,1"}, r"gpu_ids='0,1'\): this machine has no CUDA GPU; leave gpu_ids out"),
 ])
 def test_what_a_cpu_cannot_run_is_refused(launch_args, message):
     from xtrain.decorator import _launch_args
 
     with pytest.raises(RuntimeError, match=message):
         _launch_args(launch_args, cuda=False)
+
+
+def test_gpu_ids_are_indices_among_the_gpus_this_process_sees(monkeypatch):
+    """Under a parent limited to GPUs 4-7 (a shared box, a SLURM binding), gpu_ids='1,3' are its 5 and 7."""
+    from xtrain import hardware
+    from xtrain.decorator import _accelerate_env, _launch_args
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
+    env = _accelerate_env(*_launch_args({"num_processes": 2, "gpu_ids": "1,3"}, cuda=True), port=29557)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5,7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1f2e,MIG-9a8b")
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: 2)
+    env = _accelerate_env(*_launch_args({"num_processes": 1, "gpu_ids": "1"}, cuda=True), port=29558)
+    assert env["CUDA_VISIBLE_DEVICES"] == "MIG-9a8b"
+    with pytest.raises(RuntimeError, match=r"gpu_ids='1,2'\): '2' is not one of this process's GPUs 0..1"):
+        _accelerate_env(*_launch_args({"num_processes": 2, "gpu_ids": "1,2"}, cuda=True), port=29559)
+
+
+@run_with_accelerate(num_processes=2)
+def partial_state_first() -> dict:
+    from accelerate import Accelerator, PartialState
+
+    state = PartialState()  # before the Accelerator, as many Hugging Face scripts do
+    accelerator = Accelerator()
+    return {"state": (state.distributed_type.value, state.num_processes),
+            "accelerator": (accelerator.distributed_type.value, accelerator.num_processes)}
+
+
+def test_a_partial_state_made_before_the_accelerator_sees_every_process():
+    assert partial_state_first() == {"state": ("MULTI_CPU", 2), "accelerator": ("MULTI_CPU", 2)}
+
+
+@run_with_accelerate(num_processes=2)
+def prints_a_bad_byte_then_a_lot(lines: int) -> int:
+    import sys
+
+    sys.stdout.buffer.write(b"latin-1 caf\xe9\n")  # not UTF-8
+    sys.stdout.buffer.flush()
+    for i in range(lines):  # far more than a pipe holds: the reader must still be reading
+        print(f"line {i} " + "x" * 100)
+    return lines
+
+
+def test_a_worker_that_writes_bytes_that_are_not_utf8_is_still_read(capfd):
+    assert prints_a_bad_byte_then_a_lot(lines=5000) == 5000
+    out = capfd.readouterr().out
+    assert "latin-1 caf\ufffd" in out and "line 4999 " in out
+
+
+def test_the_reader_of_torchruns_output_replaces_bytes_that_are_not_utf8_and_reads_on():
+    import io
+
+    from xtrain.multiprocess import RANK0_PREFIX, _pump
+
+    stream = io.BytesIO(b"torchrun: caf\xe9\n" + RANK0_PREFIX.encode() + b"rank 0: \xff\xfe\n" + b"torchrun: later\n")
+    terminal, log = io.StringIO(), io.StringIO()
+    _pump(stream, terminal, log)
+    assert terminal.getvalue() == "rank 0: \ufffd\ufffd\n"
+    assert log.getvalue() == "torchrun: caf\ufffd\ntorchrun: later\n"

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -213,6 +214,24 @@ def test_points_in_parallel_each_get_their_share_of_the_cores(tmp_path):
         assert result["status"] == "completed" and result["cpu_threads"] == [max(1, cores // 2)]
         assert "done: 6 steps" in (sweep_dir / name / "logs" / "point.log").read_text()
     assert [r["status"] for r in csv_rows(sweep_dir)] == ["completed", "completed"]
+
+
+def test_parallel_points_split_the_gpus_this_process_was_given(monkeypatch):
+    """Under a parent limited to some GPUs (a shared box, a SLURM binding; ids, UUIDs or MIG instances), the
+    points' slots split that list, never 0..k; `cluster.num_processes=auto` is each slot's share."""
+    from xtrain import hardware
+    from xtrain.backends import local
+
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,GPU-8c1d,MIG-2f0e")
+    assert local._slots(2) == [{"gpus": ["4", "5"]}, {"gpus": ["GPU-8c1d", "MIG-2f0e"]}]
+    assert local._slots(4) == [{"gpus": ["4"]}, {"gpus": ["5"]}, {"gpus": ["GPU-8c1d"]}, {"gpus": ["MIG-2f0e"]}]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert local._slots(2) == [{"gpus": ["0", "1"]}, {"gpus": ["2", "3"]}]
+    cfg = compose_run()
+    auto = replace(cfg, cluster=replace(cfg.cluster, num_processes="auto"))
+    assert hardware.resolve_processes(auto, parallel=2).cluster.num_processes == "2"
+    assert hardware.resolve_processes(auto).cluster.num_processes == "4"
 
 
 def peak_rss_mb(*args: str) -> float:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from xtrain import hardware
+
 MARK = "__xtrain_run_with_accelerate__"
 INSIDE = "XTRAIN_FUNCTION_WORKER"
 PAYLOAD, RESULT = "function.pkl", "result.pkl"
@@ -74,6 +76,10 @@ def refuse_without_cuda(args, launch_args: dict) -> None:
             f"run_with_accelerate(mixed_precision={args.mixed_precision!r}): needs a CUDA GPU (on this CPU Accelerate "
             "would silently train in another precision); use mixed_precision='bf16' or 'no'"
         )
+    if args.gpu_ids not in (None, "all"):
+        raise RuntimeError(
+            f"run_with_accelerate(gpu_ids={args.gpu_ids!r}): this machine has no CUDA GPU; leave gpu_ids out"
+        )
     if launch_args.get("cpu") is False and (args.num_processes or 1) > 1:
         raise RuntimeError(
             "run_with_accelerate(cpu=False): this machine has no CUDA GPU, so every rank would train alone; "
@@ -96,7 +102,23 @@ def _accelerate_env(args, defaults, mp_from_config, port: int) -> dict:
         env = prepare_multi_gpu_env(args)
     env = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
     env["ACCELERATE_USE_CPU"] = str(bool(args.cpu)).lower()
+    if args.gpu_ids not in (None, "all"):
+        env["CUDA_VISIBLE_DEVICES"] = worker_gpus(args.gpu_ids, hardware.visible_gpu_ids())
     return env
+
+
+def worker_gpus(gpu_ids: str, visible: list[str]) -> str:
+    """`gpu_ids` (indices of the GPUs this process sees, as torch numbers them) as CUDA_VISIBLE_DEVICES for
+    the workers: under a parent limited to `4,5,6,7`, gpu_ids='0,1' are GPUs 4 and 5, not other people's 0 and 1."""
+    chosen = []
+    for part in gpu_ids.split(","):
+        if not part.strip().isdigit() or int(part) >= len(visible):
+            raise RuntimeError(
+                f"run_with_accelerate(gpu_ids={gpu_ids!r}): {part.strip()!r} is not one of this process's GPUs "
+                f"0..{len(visible) - 1} (CUDA_VISIBLE_DEVICES={','.join(visible)}); give indices among them"
+            )
+        chosen.append(visible[int(part)])
+    return ",".join(chosen)
 
 
 def _call(func, kwargs: dict, launch_args: dict):

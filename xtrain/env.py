@@ -32,9 +32,9 @@ def devices() -> list[tuple[str, str]]:
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         rows.append(("cuda", f"no GPU visible (torch {torch.__version__}, {build})"))
-    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        p = torch.cuda.get_device_properties(i)
-        rows.append((f"cuda:{i}", f"{p.name}, {p.total_memory / 1e9:.1f} GB, compute capability {p.major}.{p.minor}"))
+    for i, gpu in enumerate(hardware.gpus()):
+        rows.append((f"cuda:{i}", f"{gpu.name}, {gpu.memory_bytes / 1e9:.1f} GB, "
+                                  f"compute capability {gpu.capability[0]}.{gpu.capability[1]}"))
     return rows
 
 

@@ -6,6 +6,7 @@ its exception back for the caller. Any failing rank leaves `logs/errors/rank<R>.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ def main() -> None:
     # run a Python handler, and torchrun would wait 30 s before killing it.
     func, kwargs = cloudpickle.loads((workdir / PAYLOAD).read_bytes())
     try:
+        join_cpu_group()
         value = func(**kwargs)
     except BaseException as err:
         write_error(workdir, rank, err, None)
@@ -41,6 +43,24 @@ def main() -> None:
             torch.distributed.destroy_process_group()
     if rank == 0:
         (workdir / RESULT).write_bytes(cloudpickle.dumps(("ok", value)))
+
+
+def join_cpu_group() -> None:
+    """On CPUs, a `PartialState()` made before the `Accelerator()` (as in many Hugging Face scripts) joins the
+    N-process group as the Accelerator does: Accelerate's `Accelerator` reads ACCELERATE_USE_CPU, its
+    `PartialState` does not, and would give each rank a lone process. Nothing starts early: a function that
+    sets up torch.distributed itself still can."""
+    if os.environ.get("ACCELERATE_USE_CPU") != "true":
+        return
+    from accelerate.state import PartialState
+
+    original = PartialState.__init__
+
+    @functools.wraps(original)
+    def on_cpu(self, cpu: bool = False, **kwargs):
+        original(self, True, **kwargs)
+
+    PartialState.__init__ = on_cpu
 
 
 if __name__ == "__main__":

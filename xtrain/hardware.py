@@ -7,10 +7,14 @@ silently fp32. xtrain refuses each of these before anything starts.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
 import os
 import socket
-from dataclasses import replace
+import subprocess
+import sys
+from dataclasses import dataclass, replace
 
 from xtrain.cluster_config import ClusterKind
 from xtrain.config import Fp8Backend, Precision, RunConfig, Strategy
@@ -49,9 +53,44 @@ def bound_cores() -> str:
 
 
 def visible_gpus() -> int:
+    """CUDA devices this process sees (no CUDA context is created: the count comes from the driver)."""
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def visible_gpu_ids(count: int | None = None) -> list[str]:
+    """The ids of the GPUs this process sees, as CUDA_VISIBLE_DEVICES names them for its children: the
+    parent's own list where it has one (`4,5,6,7`, GPU UUIDs, MIG instances), else `0..count-1`."""
+    count = visible_gpus() if count is None else count
+    preset = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return preset[:count] if "CUDA_VISIBLE_DEVICES" in os.environ else [str(i) for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    capability: tuple[int, int]
+    memory_bytes: int
+
+
+_GPU_FACTS = """
+import json, torch
+print(json.dumps([{"name": torch.cuda.get_device_name(i), "capability": list(torch.cuda.get_device_capability(i)),
+                   "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
+                  for i in range(torch.cuda.device_count())]))
+"""
+
+
+@functools.cache
+def gpus() -> tuple[Gpu, ...]:
+    """The visible GPUs' facts, read in a short subprocess: the driver and a SLURM node's process stay alive
+    as the workers' parents for the whole run, and a CUDA context of theirs would take memory from rank 0's GPU."""
+    if not visible_gpus():
+        return ()
+    out = subprocess.run([sys.executable, "-c", _GPU_FACTS], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
+    return tuple(Gpu(g["name"], tuple(g["capability"]), g["memory_bytes"]) for g in json.loads(out))
 
 
 def submitting_to_slurm(cfg: RunConfig) -> bool:
@@ -65,20 +104,18 @@ def node_gpus(cfg: RunConfig) -> int:
     return cfg.cluster.gpus if submitting_to_slurm(cfg) else visible_gpus()
 
 
-def resolve_processes(cfg: RunConfig) -> RunConfig:
-    """`cluster.num_processes=auto` → one per GPU of a node, else 1; written resolved into run.yaml."""
+def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
+    """`cluster.num_processes=auto` → one per GPU of a node (of its share, where `parallel` runs share this
+    machine's GPUs: a sweep's points at once), else 1; written resolved into run.yaml."""
     if cfg.cluster.num_processes != "auto":
         return cfg
-    cluster = replace(cfg.cluster, num_processes=str(max(1, node_gpus(cfg))))
+    cluster = replace(cfg.cluster, num_processes=str(max(1, node_gpus(cfg) // max(1, parallel))))
     return replace(cfg, cluster=cluster)
 
 
 def local_gpu_gb() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 1e9
+    found = gpus()
+    return found[0].memory_bytes / 1e9 if found else None
 
 
 def name_deepspeed_accelerator() -> None:
@@ -102,19 +139,17 @@ def async_io_available() -> bool:
 
 def refusal(cfg: RunConfig) -> str | None:
     """Why this machine cannot run the request, or None."""
-    import torch
-
     if submitting_to_slurm(cfg):  # the nodes' GPUs are checked on the nodes, before their workers start
         cuda = cfg.cluster.gpus > 0
         if cuda:
             return None
     else:
-        cuda = torch.cuda.is_available()
-        if cfg.cluster.kind is ClusterKind.slurm and cfg.cluster.gpus > visible_gpus():
+        cuda = bool(gpus())
+        if cfg.cluster.kind is ClusterKind.slurm and cfg.cluster.gpus > len(gpus()):
             return (
                 f"cluster.gpus_per_node={cfg.cluster.gpus}: the job was given GPUs on {socket.gethostname()} "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}), and CUDA sees "
-                f"{visible_gpus()} of them there; check the node's driver and the job's GPU binding, "
+                f"{len(gpus())} of them there; check the node's driver and the job's GPU binding, "
                 "or ask for none (cluster.gpus_per_node=0: train on the nodes' CPUs)"
             )
     strategy, precision = cfg.strategy.name, cfg.precision.name
@@ -130,18 +165,19 @@ def refusal(cfg: RunConfig) -> str | None:
             "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
             "use precision=bf16 (autocast, fast on CPUs with bf16 units) or precision=fp32"
         )
-    if precision is Precision.bf16 and cuda and not torch.cuda.is_bf16_supported():
+    oldest = min(gpus(), key=lambda g: g.capability) if cuda and gpus() else None
+    if precision is Precision.bf16 and oldest and oldest.capability < (8, 0):
         return (
-            f"precision=bf16: this GPU ({torch.cuda.get_device_name()}) does not support bf16; "
+            f"precision=bf16: {oldest.name} (compute capability {oldest.capability[0]}.{oldest.capability[1]}) has "
+            "no bf16 units (needs >= 8.0, e.g. A100, H100; torch would emulate it, slowly); "
             "use precision=fp16 or precision=fp32"
         )
     if precision is Precision.fp8:
         if not cuda:
             return "precision=fp8: needs a GPU with FP8 units (compute capability >= 8.9, e.g. H100, L4) and this machine has none; use precision=bf16"
-        capability = torch.cuda.get_device_capability()
-        if capability < (8, 9):
+        if oldest and oldest.capability < (8, 9):
             return (
-                f"precision=fp8: {torch.cuda.get_device_name()} (compute capability {capability[0]}.{capability[1]}) "
+                f"precision=fp8: {oldest.name} (compute capability {oldest.capability[0]}.{oldest.capability[1]}) "
                 "has no FP8 units (needs >= 8.9, e.g. H100, L4); use precision=bf16"
             )
         module, install = FP8_PACKAGES[cfg.precision.fp8_backend]

@@ -67,8 +67,11 @@ def torchrun_command(topology: Topology, workdir: Path, port: int, module_args: 
 
 
 def _pump(stream, terminal, log_file) -> None:
-    """Local rank 0's lines to the terminal (prefix removed), torchrun's own lines to its log."""
-    for line in stream:
+    """Local rank 0's lines to the terminal (prefix removed), torchrun's own lines to its log. Bytes that are
+    not UTF-8 are replaced, never fatal: a reader that stopped would leave the pipe to fill and the workers
+    to block on their next print."""
+    for raw in stream:
+        line = raw.decode("utf-8", errors="replace")
         if line.startswith(RANK0_PREFIX):
             terminal.write(line[len(RANK0_PREFIX):])
             terminal.flush()
@@ -123,7 +126,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     with open(log_path, "a") as log_file:
         proc = subprocess.Popen(
             torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
+            env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
             preexec_fn=stopping.ignore_in_child if step_boundary else None,
         )
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),

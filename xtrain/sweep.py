@@ -70,8 +70,9 @@ def point_dir_name(num: int, swept: list[str]) -> str:
 
 
 def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str]], object], sweep_dir: Path,
-                first_num: int = 0) -> list[Point]:
-    """Every point's typed config and run dir; a bad point is a ConfigError that names it."""
+                first_num: int = 0, parallel: int = 1) -> list[Point]:
+    """Every point's typed config and run dir (`parallel`: points run at once, sharing this machine's GPUs);
+    a bad point is a ConfigError that names it."""
     points = []
     for i, (overrides, swept) in enumerate(zip(job_overrides, swept_overrides(job_overrides))):
         num = first_num + i
@@ -79,7 +80,7 @@ def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str]], o
         try:
             container = compose(list(overrides))
             container["run_dir"] = str(sweep_dir / name)
-            cfg = backends.resolve(config.from_container(container))
+            cfg = backends.resolve(config.from_container(container), parallel)
         except ConfigError as err:
             raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
         except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type

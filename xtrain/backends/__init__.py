@@ -18,10 +18,11 @@ from xtrain.cluster_config import ClusterKind
 from xtrain.config import RunConfig
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
+def resolve(cfg: RunConfig, parallel: int = 1) -> RunConfig:
     """Every `auto` of a composed config made concrete, as run.yaml records it: the backend's, then
-    `num_processes` (one per GPU of a node)."""
-    return hardware.resolve_processes(for_cluster(cfg.cluster.kind).resolve(cfg))
+    `num_processes` (one per GPU of a node; of a `parallel`th of this machine's GPUs for a sweep's points
+    run that many at a time)."""
+    return hardware.resolve_processes(for_cluster(cfg.cluster.kind).resolve(cfg), parallel)
 
 
 def for_cluster(kind: ClusterKind):

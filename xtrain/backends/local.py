@@ -169,13 +169,18 @@ def release_memory() -> None:
 
 def _slots(n_jobs: int) -> list[dict]:
     """Each parallel slot's own GPUs (CUDA_VISIBLE_DEVICES) or, without GPUs, its own share of the cores."""
-    gpus = hardware.visible_gpus()
-    if gpus:
-        per = gpus // n_jobs
-        return [{"gpus": list(range(i * per, (i + 1) * per))} for i in range(n_jobs)]
+    ids = hardware.visible_gpu_ids()
+    if ids:
+        return [{"gpus": share} for share in gpu_shares(ids, n_jobs)]
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // n_jobs)
     return [{"cores": cores[(i * per) % len(cores):][:per]} for i in range(n_jobs)]
+
+
+def gpu_shares(ids: list[str], n_jobs: int) -> list[list[str]]:
+    """This process's GPUs (their CUDA_VISIBLE_DEVICES names) split between `n_jobs` slots, equally."""
+    per = len(ids) // n_jobs
+    return [ids[i * per:(i + 1) * per] for i in range(n_jobs)]
 
 
 def start_in_slot(point: Point, slot: dict) -> subprocess.Popen:
@@ -183,7 +188,7 @@ def start_in_slot(point: Point, slot: dict) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "XTRAIN_LAUNCH_TIME"}
     preexec = None
     if "gpus" in slot:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot["gpus"]))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(slot["gpus"])
     else:
         env["OMP_NUM_THREADS"] = str(len(slot["cores"]))
         preexec = functools.partial(os.sched_setaffinity, 0, slot["cores"])

@@ -47,7 +47,8 @@ class _XtrainLauncher(Launcher):
 
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
         overrides = [list(o) for o in job_overrides]
-        points = sweep.plan_points(overrides, self.compose, self.sweep_dir, initial_job_idx)
+        points = sweep.plan_points(overrides, self.compose, self.sweep_dir, initial_job_idx,
+                                   parallel=self.options.get("n_jobs", 1))
         for point in points:
             if point.cfg.cluster.kind.value != self.cluster_kind:
                 raise ConfigError(f"point {point.num} ({point.label}): cluster.kind={point.cfg.cluster.kind.value} "
