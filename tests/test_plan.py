@@ -24,6 +24,10 @@ def test_fp32_and_fsdp_accounting():
     psi = 1_000_000_000
     fp32 = plan.model_state_memory(psi, compose_run("precision=fp32"))
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    ddp = plan.model_state_memory(psi, compose_run("precision=bf16"))  # autocast keeps fp32 weights and gradients
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    zero1 = plan.model_state_memory(psi, compose_run("strategy=zero1", "precision=bf16", "cluster.num_processes=1"))
+    assert (zero1.params, zero1.grads, zero1.optimizer) == (2 * psi, 2 * psi, 12 * psi)  # DeepSpeed's bf16 copies
     fsdp = plan.model_state_memory(psi, compose_run("strategy=fsdp", "precision=bf16", "cluster.num_processes=8"))
     assert fsdp.total == pytest.approx(16 * psi / 8)
     hybrid = plan.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
-from xtrain import cpu_seams, hardware
+from xtrain import cpu_seams, hardware, plugins
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
 
@@ -92,7 +92,8 @@ def test_one_process_zero_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp)
 
 
 def test_zero2_optimizer_offload_follows_ddp(tmp_path, ddp):
-    """ZeRO-Offload with xtrain's torch AdamW stepping on the host copy (zero_force_ds_cpu_optimizer off)."""
+    """ZeRO-Offload with torch's AdamW stepping on the host copy (the seam sets zero_force_ds_cpu_optimizer off;
+    the exported deepspeed.json, the GPU path's, leaves DeepSpeed's default: its DeepSpeedCPUAdam)."""
     run_dir = zero_run(tmp_path / "run", "zero2", "strategy.offload_optimizer=cpu")
     assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert train_losses(run_dir) == pytest.approx(train_losses(ddp), rel=1e-4)
@@ -139,3 +140,35 @@ def test_zero3_fine_tunes_a_local_pretrained_model_from_its_weights(tmp_path, sh
     run_dir = zero_run(tmp_path / "run", "zero3", "model=hf", f"model.name_or_path={short_run / 'model'}",
                        "trainer.max_steps=4", "trainer.eval_every=4", "trainer.save_every=4", "trainer.warmup_steps=1")
     assert read_result(run_dir)["initial_val_loss"] == pytest.approx(read_result(short_run)["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_deepspeed_reads_every_config_xtrain_writes(strategy, monkeypatch):
+    """Each precision x offload that xtrain can write for this stage, read by DeepSpeed's own config class."""
+    import itertools
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    offloads = [("none", "none"), ("cpu", "none"), ("nvme", "none")]
+    if strategy == "zero3":
+        offloads += [("cpu", "cpu"), ("nvme", "nvme")]
+    for precision, (optimizer, param) in itertools.product(["fp32", "fp16", "bf16", "fp8"], offloads):
+        cfg = compose_run(f"strategy={strategy}", f"precision={precision}", f"strategy.offload_optimizer={optimizer}",
+                          *([f"strategy.offload_param={param}"] if strategy == "zero3" else []),
+                          "strategy.nvme_path=/local/nvme", "cluster.num_processes=1", "trainer.batch_size=4",
+                          "trainer.grad_accum=2")
+        parsed = DeepSpeedConfig(plugins.deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64)))
+        case = f"{strategy} {precision} offload {optimizer}/{param}"
+        assert parsed.zero_optimization_stage == int(strategy[-1]), case
+        assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (8, 2), case
+        assert parsed.float16_config.enabled is (precision == "fp16"), case
+        assert parsed.bfloat16_config.enabled is (precision in ("bf16", "fp8")), case  # fp8 runs inside bf16
+        if precision == "fp16":
+            assert parsed.float16_config.loss_scale == 0 and parsed.float16_config.initial_scale_power == 16, case
+        offloaded = parsed.zero_config.offload_optimizer
+        device = getattr(offloaded, "device", "none")  # an enum, or its value
+        assert getattr(device, "value", device) == optimizer, case
+        if optimizer == "nvme":
+            assert str(offloaded.nvme_path) == "/local/nvme", case
+        assert parsed.zero_force_ds_cpu_optimizer is True, case  # on GPUs: DeepSpeedCPUAdam for an offload

@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
+    DistributedDataParallelKwargs,
     DistributedType,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
@@ -33,13 +34,17 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
     cpu_zero = cpu_seams.zero_on_cpu(cfg)
     process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
+    if cpu_zero and cfg.strategy.offload_optimizer.value != "none":
+        cpu_seams.accept_torch_adamw_offloaded(kwargs["deepspeed_plugin"])
     if cpu_seams.fsdp_on_cpu(cfg):
         cpu_seams.present_cpu_as_accelerator(kwargs["fsdp_plugin"], timeout)
     accelerator = Accelerator(
         # Without cpu=True a CUDA-less multi-process launch silently trains N independent models;
         # with it, Accelerate ignores a DeepSpeed plugin (ZeRO on CPU brings its own gloo group instead).
         cpu=not torch.cuda.is_available() and not cpu_zero,
-        kwargs_handlers=[*kwargs.pop("kwargs_handlers", []), process_group],
+        # DDP's gradient buckets are views of the gradients, not a second copy of them
+        kwargs_handlers=[*kwargs.pop("kwargs_handlers", []), process_group,
+                         DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
         **kwargs,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=cfg.trainer.grad_accum, sync_with_dataloader=False

@@ -58,6 +58,13 @@ def present_cpu_as_accelerator(fsdp_plugin, timeout: timedelta) -> None:
         fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
 
 
+def accept_torch_adamw_offloaded(deepspeed_plugin) -> None:
+    """ZeRO seam with strategy.offload_optimizer: torch's AdamW steps on the host copy (DeepSpeedCPUAdam, the
+    GPU path's optimizer, would be compiled on first use, minutes on this CPU). DeepSpeed refuses a client
+    optimizer under offload unless told."""
+    deepspeed_plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
+
+
 def scale_fp16_losses(accelerator) -> None:
     """fp16 seam, after the Accelerator exists: what Accelerate sets up for fp16 on a GPU, on the CPU. The
     scale starts high enough that the first steps overflow for real, so the skip path runs."""

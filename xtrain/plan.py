@@ -4,8 +4,9 @@ Topology, batch sizes, the plugin settings, and a per-device estimate of model-s
 memory. The estimate follows the ZeRO paper (Rajbhandari et al., 2020, section 3):
 with mixed-precision Adam each parameter costs 2 bytes of 16-bit weights, 2 bytes of
 16-bit gradients and K = 12 bytes of optimizer state (fp32 master weights, momentum,
-variance); with fp32 training it is 4 + 4 + 8 (no master copy). DDP replicates all of
-it; ZeRO-1 partitions the optimizer state over the N data-parallel ranks, ZeRO-2 also
+variance); with fp32 training it is 4 + 4 + 8 (no master copy). DDP keeps fp32 weights and
+gradients under autocast too (4 + 4 + 8 at any precision: the same 16 bytes, held differently), its
+gradient buckets being views of the gradients (`gradient_as_bucket_view`), and replicates all of it; ZeRO-1 partitions the optimizer state over the N data-parallel ranks, ZeRO-2 also
 the gradients, ZeRO-3 also the weights. FSDP keeps fp32 weights sharded (mixed precision
 casts them per layer), so full_shard costs 16 / N bytes per parameter. Activations,
 temporary buffers, fragmentation and the CUDA context are not included.
@@ -46,8 +47,8 @@ def model_state_memory(n_params: int, cfg: RunConfig) -> Memory:
     s = cfg.strategy
     n = cfg.cluster.world_size
     w, g, k = bytes_per_param(cfg.precision.name)
-    if s.name is Strategy.ddp:
-        params, grads, opt = w, g, k
+    if s.name is Strategy.ddp:  # autocast: fp32 weights and gradients, whatever the precision
+        params, grads, opt = 4, 4, 8
     elif s.name is Strategy.zero1:
         params, grads, opt = w, g, k / n
     elif s.name is Strategy.zero2:

@@ -88,13 +88,12 @@ def deepspeed_config(cfg: RunConfig, facts: ModelFacts, user: dict | None = None
             "hysteresis": 2,
             "min_loss_scale": 1,
         },
-        "bf16": {"enabled": precision is Precision.bf16},
+        # fp8 runs its matmuls in fp8 inside bf16 autocast: Accelerate's DeepSpeed path relies on bf16 being on
+        "bf16": {"enabled": precision in (Precision.bf16, Precision.fp8)},
         "zero_optimization": _zero_optimization(cfg, facts),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    if cfg.strategy.offload_optimizer is not Offload.none:
-        ours["zero_force_ds_cpu_optimizer"] = False  # xtrain's AdamW runs on the offloaded states
     return merge_user_config(ours, user or {}, cfg.strategy.deepspeed_config)
 
 
