@@ -10,7 +10,7 @@ import struct
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -251,26 +251,35 @@ MACHINE_SLURM_CONF = Path("/etc/slurm/slurm.conf")
 class SlurmCluster:
     conf: Path  # the cluster's own slurm.conf (SLURM_CONF for every client)
     machine_conf_before: bytes  # /etc/slurm/slurm.conf as it was before the cluster started
+    frozen: dict[str, list] = field(default_factory=dict)  # a lost node's processes, until it starts again
 
     def _pid_file(self, name: str) -> Path:
         return SLURM_BASE / "pids" / f"{name}.pid"
 
-    def stop(self, name: str, kill_jobs: bool = False) -> None:
-        """Stop one daemon: `slurmctld` as an operator would (SIGTERM, its state saved), or a node's `slurmd-nX`
-        and (`kill_jobs`) everything running on that node, as a node that dies does (SIGKILL)."""
+    def stop(self, name: str, lose_node: bool = False) -> None:
+        """Stop one daemon: `slurmctld` as an operator would (SIGTERM, its state saved), or (`lose_node`) a node's
+        `slurmd-nX` with everything running on that node frozen (SIGSTOP), as a node lost from the network looks
+        to the others: no answer and no connection reset, its peers' collectives waiting. `start` ends them."""
         pid = int(self._pid_file(name).read_text())
-        if kill_jobs:  # the node's processes: those in its UTS namespace (start_slurm.sh gives each node its own)
+        if lose_node:  # the node's processes: those in its UTS namespace (start_slurm.sh gives each node its own)
             namespace = os.readlink(f"/proc/{pid}/ns/uts")
             for proc in psutil.process_iter():
                 with contextlib.suppress(OSError, psutil.Error):
                     if os.readlink(f"/proc/{proc.pid}/ns/uts") == namespace:
-                        proc.kill()
-        else:
-            os.kill(pid, signal.SIGTERM)
+                        proc.suspend()
+                        self.frozen.setdefault(name, []).append(proc)
+            return
+        os.kill(pid, signal.SIGTERM)
         psutil.wait_procs([psutil.Process(pid)], timeout=30) if psutil.pid_exists(pid) else None
 
     def start(self, name: str) -> None:
-        """Start a daemon `stop` stopped, as start_slurm.sh does (slurmctld recovers its saved state)."""
+        """Start a daemon `stop` stopped, as start_slurm.sh does (slurmctld recovers its saved state); a lost
+        node's frozen processes are killed first, as a node that reboots loses them."""
+        lost = self.frozen.pop(name, [])
+        for proc in lost:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(lost, timeout=30)
         if name == "slurmctld":
             argv = ["/usr/sbin/slurmctld", "-D"]
         else:

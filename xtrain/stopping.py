@@ -64,6 +64,9 @@ def on(signals=GRACEFUL, escalate: bool = True):
         _escalate[0] = escalate
     _depth[0] += 1
     previous = {s: signal.signal(s, _on_signal) for s in signals}
+    if not escalate:  # a request, from SLURM to every process of the step and then from the driver, must not
+        for s in signals:  # fail the system call the C++ below is in (a collective's socket read): restart it
+            signal.siginterrupt(s, False)
     try:
         yield
     finally:
