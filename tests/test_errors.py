@@ -39,6 +39,8 @@ def snapshot(root: Path) -> dict[str, str]:
         (["model=hf", "model.name_or_path=no-such-org/no-such-model"],
          ["model.name_or_path=no-such-org/no-such-model", "cannot be loaded", "local model directory"]),
         (["resume=/no/such/checkpoint"], ["resume=/no/such/checkpoint", "no such checkpoint", "resume=auto"]),
+        (["strategy=zero2", "strategy.offload_optimizer=cpu", "trainer.fused_optimizer=true"],
+         ["trainer.fused_optimizer=true", "DeepSpeedCPUAdam", "trainer.fused_optimizer=false"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, expected):

@@ -48,6 +48,10 @@ def test_fsdp2_follows_ddp(sharded, ddp_two_processes):
     assert result["status"] == "completed" and result["world_size"] == 2
     assert result["model_parameters"] == read_result(ddp_two_processes)["model_parameters"]  # not a local shard
     assert result["fsdp_units"]["GPT2Block"] == 4  # the wrap layer from GPT-2's _no_split_modules
+    assert result["backend"] == "gloo"
+    for key in ("peak_rss_bytes", "peak_rss_before_first_step_bytes"):  # each rank's own
+        assert len(result[key]) == 2 and all(100 * 2**20 < peak < 8 * 2**30 for peak in result[key]), key
+    assert all(a <= b for a, b in zip(result["peak_rss_before_first_step_bytes"], result["peak_rss_bytes"]))
     assert train_losses(sharded) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
 
 

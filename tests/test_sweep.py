@@ -251,6 +251,23 @@ def test_points_in_the_driver_release_their_memory(tmp_path):
     three = peak_rss_mb("-m", f"run_dir={tmp_path / 'three'}", "trainer.seed=1,2,3", *big)
     print(f"peak RSS: one run {one:.0f} MB, a 3-point sweep {three:.0f} MB")
     assert three < one * 1.25
+    # each point's own peak (reset as it starts), and the summary's column is the largest rank's
+    table = list(csv.DictReader(open(tmp_path / "three" / "sweep.csv")))
+    for row, point in zip(table, sorted((tmp_path / "three").glob("[0-9]_*"))):
+        peaks = json.loads((point / "result.json").read_text())["peak_rss_bytes"]
+        assert len(peaks) == 1 and int(row["peak_rss_mb"]) == round(peaks[0] / 2**20) <= three
+    assert table[0]["peak_device_mb"] == ""  # no GPU
+
+
+def test_the_peak_memory_a_run_records_starts_at_the_run():
+    """memory.reset_peaks: the peak RSS measured after it ignores what the process held before."""
+    from xtrain import memory
+
+    held = b"\x01" * (400 * 2**20)  # written: resident
+    before = memory.peak_rss()
+    del held
+    memory.reset_peaks()
+    assert memory.peak_rss() < before - 300 * 2**20
 
 
 DISCOVER = ("from xtrain.cli import register_schemas; register_schemas(); "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import resource
 import shutil
 import socket
 import sys
@@ -28,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, hardware, plan, plugins, run_dir as rundir, sampler, stopping, tasks, tracking
+from xtrain import checkpoint, config, hardware, memory, plan, plugins, run_dir as rundir, sampler, stopping, tasks, tracking
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig
 from xtrain.errors import ConfigError, Diverged
@@ -177,6 +176,7 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         result["fsdp_units"] = fsdp_units(c.model)
     if world > 1:
         result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        result["backend"] = torch.distributed.get_backend()  # nccl on GPUs, gloo on CPUs
     return result
 
 
@@ -191,6 +191,7 @@ def _train(run_dir: Path) -> dict:
     # from the driver's start when it launched this worker, else from this process's start
     process_start = float(os.environ.get("XTRAIN_LAUNCH_TIME") or psutil.Process().create_time())
     hardware.name_deepspeed_accelerator()
+    memory.reset_peaks()
 
     n_params_meta, facts = plan.model_facts(cfg)
     accelerator = build_accelerator(cfg, run_dir, facts)
@@ -238,23 +239,15 @@ def _train(run_dir: Path) -> dict:
     finally:
         bar.close()
 
-    result["peak_rss_bytes"] = peak_rss(accelerator)
+    result.update(memory.peaks(accelerator))
     accelerator.end_training()  # destroys the process group: no collective after it
     return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
                   process_start, wall)
 
 
-def peak_rss(accelerator: Accelerator) -> list[int]:
-    """Each rank's peak resident memory so far, in bytes (file pages it maps included)."""
-    own = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], device=accelerator.device)
-    return accelerator.gather(own).tolist()
-
-
 def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
            tokens_per_s: float, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
-    if torch.cuda.is_available():
-        result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated()
     result.update(
         status=Status.completed if stop is None else Status.interrupted,
         tokens_per_s=tokens_per_s,
@@ -399,10 +392,12 @@ def run_eval(accelerator: Accelerator, c: Components, step: int, result: dict) -
 
 
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
-    """Record which data each rank got first (the sum of its ids): the shards must differ."""
+    """Record which data each rank got first (the sum of its ids): the shards must differ; and each rank's
+    peak memory up to here, the model built and placed (and evaluated), before any optimizer state."""
     batch = next(batches)
     ids = sum(value.sum() for value in batch.values() if torch.is_tensor(value))
     result["first_batch_token_sums"] = accelerator.gather(ids.reshape(1)).tolist()
+    result["peak_rss_before_first_step_bytes"] = memory.peaks(accelerator)["peak_rss_bytes"]
     yield batch
     yield from batches
 

@@ -23,7 +23,7 @@ CSV = "sweep.csv"
 MARKDOWN = "summary.md"
 PLOT = "sweep.png"
 COLUMNS = ["status", "steps", "restarts", "steps_lost", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences",
-           "batch_tokens", "world_size", "wall_time_s", "error"]
+           "batch_tokens", "world_size", "wall_time_s", "peak_rss_mb", "peak_device_mb", "error"]
 
 
 def swept_keys(entries: list[dict]) -> list[str]:
@@ -66,6 +66,9 @@ def run_row(path: Path) -> dict:
     row["status"] = result.get("status", rundir.PENDING)
     row["restarts"] = len(result.get("restarts", []))  # resumed in its own run dir: requeues, resume=auto
     row["steps_lost"] = result.get("steps_lost", 0)
+    for column, key in (("peak_rss_mb", "peak_rss_bytes"), ("peak_device_mb", "peak_device_memory_bytes")):
+        every_rank = result.get(key) or []  # the largest rank's
+        row[column] = round(max(every_rank) / 2**20) if every_rank else ""
     if row["status"] == rundir.Status.running:  # its progress so far
         row["steps"], row["train_loss"] = latest_train_row(path)
     if cfg:

@@ -1,0 +1,46 @@
+"""Each rank's peak memory over one run: host RSS and, on a GPU, device memory. Both are reset as a run starts,
+so that points a sweep trains one after another in the same process each report their own peak."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import torch
+
+CLEAR_REFS = Path("/proc/self/clear_refs")
+STATUS = Path("/proc/self/status")
+
+
+def reset_peaks() -> None:
+    """From here on, the peaks are this run's (Linux: the kernel's high-water RSS mark, reset by `clear_refs`)."""
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:  # not Linux, or a kernel that does not allow it: the peak since the process started
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory since `reset_peaks`, in bytes (file pages it maps included)."""
+    try:
+        for line in STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peaks(accelerator) -> dict[str, list[int]]:
+    """Every rank's peaks, gathered (a collective): `peak_rss_bytes`, and on a GPU `peak_device_memory_bytes`
+    (what the caching allocator handed out at most)."""
+    own = [peak_rss()]
+    if torch.cuda.is_available():
+        own.append(torch.cuda.max_memory_allocated())
+    every = accelerator.gather(torch.tensor([own], device=accelerator.device)).tolist()
+    named = {"peak_rss_bytes": [rank[0] for rank in every]}
+    if len(own) > 1:
+        named["peak_device_memory_bytes"] = [rank[1] for rank in every]
+    return named
