@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 import yaml
 
 from conftest import compose_run
@@ -296,3 +297,25 @@ def test_the_requested_setup_passes(overrides, distributed_type, processes):
     from xtrain.accelerator import check_setup
 
     check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)
+
+
+def test_fsdp1_ram_efficient_loading_materializes_on_the_ranks_own_gpu(monkeypatch):
+    """The plugin captures torch.cuda.current_device() as it is made: xtrain sets rank 3's device first. (CUDA is
+    stood in for: its calls are recorded, the plugin is the real one.)"""
+    from xtrain import accelerator
+
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: device.__setitem__(0, index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    cfg = compose_run("strategy=fsdp", "strategy.fsdp_version=1", "strategy.cpu_ram_efficient_loading=true")
+    plugin = accelerator.plugin_kwargs(cfg, FACTS)["fsdp_plugin"]
+    placed = []
+
+    class Module:
+        def to_empty(self, device, recurse):
+            placed.append(device)
+
+    plugin.param_init_fn(Module())
+    assert placed == [3]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -28,8 +29,17 @@ from xtrain import cpu_seams, plugins, tracking
 from xtrain.config import RunConfig, Strategy
 
 
+def plugin_kwargs(cfg: RunConfig, facts: plugins.ModelFacts) -> dict:
+    """The Accelerator's plugins, made on this rank's own GPU: FSDP1's cpu_ram_efficient_loading captures the
+    current device as its plugin is made (Accelerate sets the rank's device only later), which would put every
+    rank's weights on GPU 0 first."""
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+
+
 def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
-    kwargs = plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+    kwargs = plugin_kwargs(cfg, facts)
     # a collective that waits longer than this (a stuck or dead rank) raises instead of hanging
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
     cpu_zero = cpu_seams.zero_on_cpu(cfg)
