@@ -248,14 +248,18 @@ def test_points_in_the_driver_release_their_memory(tmp_path):
            "trainer.batch_size=2", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
            "data.block_size=64", "trainer.warmup_steps=1"]
     one = peak_rss_mb(f"run_dir={tmp_path / 'one'}", *big)
-    three = peak_rss_mb("-m", f"run_dir={tmp_path / 'three'}", "trainer.seed=1,2,3", *big)
-    print(f"peak RSS: one run {one:.0f} MB, a 3-point sweep {three:.0f} MB")
-    assert three < one * 1.25
-    # each point's own peak (reset as it starts), and the summary's column is the largest rank's
+    peak_rss_mb("-m", f"run_dir={tmp_path / 'three'}", "trainer.seed=1,2,3", *big)
+    # Each point resets the kernel's high-water mark as it starts (so the parent's ru_maxrss sees only the last
+    # point); what an earlier point left behind is still resident then, so it shows in the later points' peaks.
     table = list(csv.DictReader(open(tmp_path / "three" / "sweep.csv")))
-    for row, point in zip(table, sorted((tmp_path / "three").glob("[0-9]_*"))):
-        peaks = json.loads((point / "result.json").read_text())["peak_rss_bytes"]
-        assert len(peaks) == 1 and int(row["peak_rss_mb"]) == round(peaks[0] / 2**20) <= three
+    points = sorted((tmp_path / "three").glob("[0-9]_*"))
+    peaks = [json.loads((point / "result.json").read_text())["peak_rss_bytes"] for point in points]
+    three = max(peak for rank in peaks for peak in rank) / 2**20
+    print(f"peak RSS: one run {one:.0f} MB, the largest of a 3-point sweep's points {three:.0f} MB")
+    assert len(points) == 3 and three < one * 1.25
+    # the summary's column is the largest rank's
+    for row, point_peaks in zip(table, peaks):
+        assert len(point_peaks) == 1 and int(row["peak_rss_mb"]) == round(point_peaks[0] / 2**20)
     assert table[0]["peak_device_mb"] == ""  # no GPU
 
 
