@@ -6,6 +6,10 @@ MFU is model FLOPs (6 N + 12 L d T per token, the PaLM formula) over the fp32 ma
 measured here on the same threads (the best of 3 rounds before and 3 after the runs).
 
     python benchmarks/throughput.py [--steps 120] [--repeats 7] [model=tiny_llama ...]
+
+`--levers` compares xtrain with itself instead: eager, `trainer.compile=true`, and compile with
+`trainer.fused_optimizer=true` (on a GPU, e.g. a ~1 B model in bf16: `--levers model.hidden_size=2048
+model.num_layers=16 ... precision=bf16`; MFU is then against the GPU's matmul peak in the run's dtype).
 """
 
 from __future__ import annotations
@@ -41,13 +45,19 @@ def compose_config(overrides: list[str], run_path: Path, steps: int) -> config.R
 
 
 def matmul_peak_gflops(n: int = 2048, dtype=torch.float32, reps: int = 10) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n = 8192 if device == "cuda" else n
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     for _ in range(3):
         a @ b
     times = []
     for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         a @ b
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 2 * n**3 / statistics.median(times) / 1e9
 
@@ -102,9 +112,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--levers", action="store_true", help="eager vs trainer.compile vs compile + fused AdamW")
     parser.add_argument("overrides", nargs="*", help="config overrides, as on the xtrain command line")
     args = parser.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.levers:
+        return levers(args)
 
     # the peak is what the machine can do: the best of several rounds, before and after the runs
     peak = max(matmul_peak_gflops() for _ in range(3))
@@ -127,6 +140,35 @@ def main() -> None:
     print(f"fp32 matmul peak (2048^2):    {peak:8.1f} GFLOP/s")
     print(f"MFU xtrain: {med_ours * flops_per_token / 1e9 / peak:.1%}   hand-written: "
           f"{med_raw * flops_per_token / 1e9 / peak:.1%}")
+
+
+LEVERS = {"eager": [], "compile": ["trainer.compile=true"],
+          "compile + fused AdamW": ["trainer.compile=true", "trainer.fused_optimizer=true"]}
+
+
+def levers(args) -> None:
+    """The speed levers against eager xtrain, alternating; the compile is in the untimed first half."""
+    runs: dict[str, list[float]] = {name: [] for name in LEVERS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            for name, overrides in LEVERS.items():
+                torch._dynamo.reset()  # each run compiles afresh: dynamo's per-code cache has a size limit
+                cfg = compose_config([*args.overrides, *overrides], Path(tmp) / f"{i}-{len(runs[name])}-{len(overrides)}",
+                                     args.steps)
+                tokens_per_s, n_params = xtrain_tokens_per_s(cfg)
+                runs[name].append(tokens_per_s)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name.value, torch.float32)
+    peak = max(matmul_peak_gflops(dtype=dtype) for _ in range(3))
+    m = cfg.model
+    flops_per_token = 6 * n_params + 12 * m.num_layers * m.hidden_size * cfg.data.block_size
+    eager = statistics.median(runs["eager"])
+    print(f"model {n_params / 1e6:.2f}M params, batch {cfg.trainer.batch_size} x {cfg.data.block_size} tokens, "
+          f"{cfg.precision.name.value}, {args.repeats} alternating repeats of {args.steps} steps; "
+          f"{dtype} matmul peak {peak:.0f} GFLOP/s")
+    for name, values in runs.items():
+        median = statistics.median(values)
+        print(f"{name:22s} {median:10.0f} tokens/s  {median / eager:5.2f}x  MFU {median * flops_per_token / 1e9 / peak:6.1%}"
+              f"  (runs: {', '.join(f'{x:.0f}' for x in values)})")
 
 
 if __name__ == "__main__":

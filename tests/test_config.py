@@ -33,7 +33,7 @@ cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts
 cluster.max_requeues
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
-trainer.log_every trainer.seed trainer.fused_optimizer
+trainer.log_every trainer.seed trainer.fused_optimizer trainer.compile
 tracker.kind tracker.project tracker.wandb_mode
 run_dir resume dry_run
 """.split()

@@ -41,6 +41,8 @@ def snapshot(root: Path) -> dict[str, str]:
         (["resume=/no/such/checkpoint"], ["resume=/no/such/checkpoint", "no such checkpoint", "resume=auto"]),
         (["strategy=zero2", "strategy.offload_optimizer=cpu", "trainer.fused_optimizer=true"],
          ["trainer.fused_optimizer=true", "DeepSpeedCPUAdam", "trainer.fused_optimizer=false"]),
+        (["strategy=fsdp", "strategy.fsdp_version=1", "trainer.compile=true"],
+         ["trainer.compile=true", "strategy.fsdp_version=1", "strategy.fsdp_version=2"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, expected):

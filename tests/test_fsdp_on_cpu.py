@@ -27,6 +27,12 @@ FSDP_ON_CPU = {cpu_seams.FSDP_ON_CPU_ENV: "1"}
 FINAL = Path("checkpoints") / "step_00000020"
 
 
+def after_10(run_dir: Path) -> list[tuple]:
+    """The rows a resume from step 10 repeats: losses and lr (not timings)."""
+    return [(r["step"], r.get("train/loss"), r.get("train/lr"), r.get("val/loss"))
+            for r in read_metrics(run_dir) if r["step"] > 10]
+
+
 def fsdp_run(run_dir: Path, *overrides: str) -> Path:
     run_xtrain(f"run_dir={run_dir}", "strategy=fsdp", *SHARDED, *overrides, env=FSDP_ON_CPU)
     return run_dir
@@ -49,9 +55,9 @@ def test_fsdp2_follows_ddp(sharded, ddp_two_processes):
     assert result["model_parameters"] == read_result(ddp_two_processes)["model_parameters"]  # not a local shard
     assert result["fsdp_units"]["GPT2Block"] == 4  # the wrap layer from GPT-2's _no_split_modules
     assert result["backend"] == "gloo"
-    for key in ("peak_rss_bytes", "peak_rss_before_first_step_bytes"):  # each rank's own
+    for key in ("peak_rss_bytes", "peak_rss_model_ready_bytes"):  # each rank's own
         assert len(result[key]) == 2 and all(100 * 2**20 < peak < 8 * 2**30 for peak in result[key]), key
-    assert all(a <= b for a, b in zip(result["peak_rss_before_first_step_bytes"], result["peak_rss_bytes"]))
+    assert all(a <= b for a, b in zip(result["peak_rss_model_ready_bytes"], result["peak_rss_bytes"]))
     assert train_losses(sharded) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
 
 
@@ -101,10 +107,6 @@ def test_resume_from_step_10_repeats_the_unbroken_run_exactly(request, tmp_path,
     resumed = fsdp_run(tmp_path / "run", f"strategy.state_dict_type={kind}", f"resume={checkpoint}")
     assert read_result(resumed)["resumed_from"] == str(checkpoint)
 
-    def after_10(run_dir):
-        return [(r["step"], r.get("train/loss"), r.get("train/lr"), r.get("val/loss"))
-                for r in read_metrics(run_dir) if r["step"] > 10]
-
     assert after_10(resumed) == after_10(unbroken)
     final, expected = model_weights(resumed), model_weights(unbroken)
     assert final.keys() == expected.keys()
@@ -134,6 +136,21 @@ def test_activation_checkpointing_recomputes_the_same_losses(tmp_path, sharded):
     assert read_result(run_dir)["fsdp_units"]["activation_checkpointed"] == 4
     assert "activation_checkpointed" not in read_result(sharded)["fsdp_units"]
     assert train_losses(run_dir) == pytest.approx(train_losses(sharded), rel=1e-6)  # measured: identical
+
+
+def test_compiled_fsdp2_with_activation_checkpointing_follows_eager_and_resumes_exactly(tmp_path, sharded):
+    """Checkpointing, then compile, then `fully_shard` (on the meta-built model, as Accelerate orders them):
+    eager's losses up to rounding (measured 3e-8 relative), eager's names, and a resume that repeats the run."""
+    compiled = fsdp_run(tmp_path / "compiled", "strategy.activation_checkpointing=true", "trainer.compile=true")
+    result = read_result(compiled)
+    assert result["compiled_regions"] >= 4 and result["fsdp_units"]["activation_checkpointed"] == 4
+    assert train_losses(compiled) == pytest.approx(train_losses(sharded), rel=1e-5)
+    assert model_weights(compiled).keys() == model_weights(sharded).keys()
+    resumed = fsdp_run(tmp_path / "resumed", "strategy.activation_checkpointing=true", "trainer.compile=true",
+                       f"resume={compiled / 'checkpoints' / 'step_00000010'}")
+    assert after_10(resumed) == after_10(compiled) and after_10(compiled)
+    for name, tensor in model_weights(compiled).items():
+        assert torch.equal(model_weights(resumed)[name], tensor), name
 
 
 def test_cpu_offload_trains_and_follows_ddp(tmp_path, ddp_two_processes):
@@ -178,3 +195,50 @@ def test_fsdp_on_cpu_is_a_test_seam_only(monkeypatch):
     assert hardware.refusal(compose_run("strategy=fsdp")) is None
     assert "DeepSpeed ZeRO needs CUDA GPUs" in hardware.refusal(compose_run("strategy=zero2"))
     assert "precision=fp16" in hardware.refusal(compose_run("strategy=fsdp", "precision=fp16"))
+
+
+BIG = ["model=tiny_llama", "model.hidden_size=1024", "model.num_layers=24", "model.num_heads=16",
+       "model.intermediate_size=2816"]  # 303 M parameters: 1.21 GB in fp32
+ONE_STEP = ["cluster.num_processes=2", "trainer.batch_size=1", "trainer.max_steps=1", "trainer.warmup_steps=0",
+            "trainer.eval_every=1", "trainer.save_every=1", "data.block_size=64", "data.max_val_tokens=256"]
+
+
+def test_a_config_built_model_never_exists_whole_on_a_rank(tmp_path):
+    """FSDP2 of a 303 M-parameter model built from config: built on meta, each rank's shards filled from the
+    eager build's values. Each rank's peak RSS until the model is ready (built, sharded, placed; before any eval
+    or step) is at most its baseline (the same run of a 1 M model) + 0.6 x the full fp32 model: its half and the
+    one parameter being filled. The eager build held the whole model on every rank."""
+    big, small = tmp_path / "big", tmp_path / "small"
+    run_xtrain(f"run_dir={big}", "strategy=fsdp", *ONE_STEP, *BIG, env=FSDP_ON_CPU)
+    run_xtrain(f"run_dir={small}", "strategy=fsdp", *ONE_STEP, "model=tiny_llama", env=FSDP_ON_CPU)
+    result, baseline = read_result(big), read_result(small)
+    full = 4 * result["model_parameters"]
+    assert result["status"] == "completed" and full > 1.2e9
+    peaks, floors = result["peak_rss_model_ready_bytes"], baseline["peak_rss_model_ready_bytes"]
+    print(f"full fp32 model {full / 2**20:.0f} MB; peak RSS until the model is ready, per rank: 303 M model "
+          f"{[p // 2**20 for p in peaks]} MB, 1 M model {[p // 2**20 for p in floors]} MB")
+    assert all(peak <= floor + 0.6 * full for peak, floor in zip(peaks, floors))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_meta_build_replays_the_eager_builds_weights_bitwise(arch):
+    """meta_init.build: every tensor built on meta gets, when replayed, the eager build's value for the same seed,
+    bitwise, and the global generator ends where the eager build leaves it (dropout draws the same masks)."""
+    from transformers import AutoModelForCausalLM
+
+    from xtrain import meta_init, model as models
+
+    cfg = compose_run(f"model=tiny_{arch}", "model.hidden_size=256", "model.intermediate_size=688").model
+    hf_config = models.transformers_config(cfg, cfg.vocab_size, 128, eos_token_id=0)
+    torch.manual_seed(3)
+    eager = AutoModelForCausalLM.from_config(hf_config)
+    after_eager = torch.rand(4)
+    torch.manual_seed(3)
+    lazy = meta_init.build(lambda: AutoModelForCausalLM.from_config(hf_config))
+    assert torch.equal(torch.rand(4), after_eager)
+    recorder = meta_init._built[lazy]
+    on_meta = [name for name, p in lazy.named_parameters() if p.is_meta]
+    assert len(on_meta) >= 4 * cfg.num_layers  # every matrix: attention and MLP weights, the embedding
+    built = {**dict(lazy.named_parameters(remove_duplicate=False)), **dict(lazy.named_buffers())}
+    for name, want in eager.state_dict().items():
+        assert torch.equal(recorder.value(built[name]) if built[name].is_meta else built[name], want), name

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -186,6 +187,14 @@ def refusal(cfg: RunConfig) -> str | None:
                 f"precision.fp8_backend={cfg.precision.fp8_backend.value}: {module} is not installed ({install}); "
                 "install it or choose another precision.fp8_backend (te, torchao, msamp)"
             )
+    variable, names = ("CC", ["gcc", "clang", "cc"]) if cuda else ("CXX", ["g++"])
+    if cfg.trainer.compile and not any(shutil.which(n) for n in ([os.environ[variable]] if os.environ.get(variable) else names)):
+        # inductor builds its kernels: on GPUs Triton's launchers in C, on CPUs C++ source
+        return (
+            f"trainer.compile=true: torch.compile builds its kernels with {os.environ.get(variable) or ' or '.join(names)}"
+            f" ({variable}), which is not on this machine; install a compiler (e.g. apt-get install g++) or use "
+            "trainer.compile=false"
+        )
     return None
 
 

@@ -27,9 +27,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import checkpoint, config, hardware, memory, plan, plugins, run_dir as rundir, sampler, stopping, tasks, tracking
+from xtrain import (checkpoint, compiling, config, hardware, memory, meta_init, plan, plugins, run_dir as rundir, sampler,
+                    stopping, tasks, tracking)
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
-from xtrain.config import Precision, RunConfig
+from xtrain.config import Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
 from xtrain.files import replace_dir
 from xtrain.optim import build_optimizer, lr_factor
@@ -98,6 +99,10 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task)
     t = cfg.trainer
     built = task.build(accelerator)
     model, train_set, val_set = built.model, built.train_set, built.val_set
+    if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
+        model = meta_init.shard(accelerator, model)
+    if cfg.trainer.compile and cfg.strategy.name is Strategy.ddp:  # (the others compile in `prepare`)
+        compiling.compile_blocks(model)
     model.train()
     optimizer = build_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
@@ -174,6 +179,8 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
     result["hosts"], result["cpu_threads"], result["cpu_cores"] = (list(column) for column in zip(*every))
     if accelerator.distributed_type is DistributedType.FSDP:
         result["fsdp_units"] = fsdp_units(c.model)
+    if cfg.trainer.compile:
+        result["compiled_regions"] = compiling.compiled_regions(c.model)
     if world > 1:
         result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         result["backend"] = torch.distributed.get_backend()  # nccl on GPUs, gloo on CPUs
@@ -203,12 +210,14 @@ def _train(run_dir: Path) -> dict:
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator, tasks.for_config(cfg))
+    model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
 
     progress, last_logged = restore(accelerator, resume_from, run_dir)
     start_step = progress.step
     accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
                               init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
+    result["peak_rss_model_ready_bytes"] = model_ready
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged))
@@ -392,12 +401,10 @@ def run_eval(accelerator: Accelerator, c: Components, step: int, result: dict) -
 
 
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
-    """Record which data each rank got first (the sum of its ids): the shards must differ; and each rank's
-    peak memory up to here, the model built and placed (and evaluated), before any optimizer state."""
+    """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
     ids = sum(value.sum() for value in batch.values() if torch.is_tensor(value))
     result["first_batch_token_sums"] = accelerator.gather(ids.reshape(1)).tolist()
-    result["peak_rss_before_first_step_bytes"] = memory.peaks(accelerator)["peak_rss_bytes"]
     yield batch
     yield from batches
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from xtrain import meta_init
 from xtrain.config import ModelArch, ModelConfig, ModelSource
 from xtrain.errors import ConfigError
 
@@ -47,8 +48,9 @@ def transformers_config(model: ModelConfig, vocab_size: int, block_size: int, eo
     )
 
 
-def build(model: ModelConfig, tokenizer, block_size: int):
-    """The model to train, on CPU in fp32 (Accelerate moves and casts it)."""
+def build(model: ModelConfig, tokenizer, block_size: int, shard_later: bool = False):
+    """The model to train, on CPU in fp32 (Accelerate moves and casts it). `shard_later` (FSDP2, built from
+    config): its large tensors on meta, for meta_init.shard to fill each rank's shards."""
     from transformers import AutoModelForCausalLM
 
     hf_config = transformers_config(model, len(tokenizer), block_size, tokenizer.eos_token_id)
@@ -63,6 +65,8 @@ def build(model: ModelConfig, tokenizer, block_size: int):
             built = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32")
         except (OSError, ValueError) as err:
             raise _cannot_load(model, err) from None
+    elif shard_later:
+        built = meta_init.build(lambda: AutoModelForCausalLM.from_config(hf_config))
     else:
         built = AutoModelForCausalLM.from_config(hf_config)
     if getattr(built, "loss_type", None) is None:  # the default transformers picks anyway, after a warning that it had to

@@ -14,7 +14,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from xtrain.config import Fp8Backend, Offload, Precision, RunConfig, StateDictType, Strategy
+from xtrain import compiling
+from xtrain.config import Fp8Backend, ModelSource, Offload, Precision, RunConfig, StateDictType, Strategy
 from xtrain.errors import ConfigError
 
 ZERO_STAGE = {Strategy.zero1: 1, Strategy.zero2: 2, Strategy.zero3: 3}
@@ -27,6 +28,13 @@ class ModelFacts:
 
     hidden_size: int
     wrap_layer: str = ""
+
+
+def builds_on_meta(cfg: RunConfig) -> bool:
+    """FSDP2 of a model built from config: built on meta and each rank's shards filled (meta_init), never whole.
+    (cpu_ram_efficient_loading is for pretrained weights: rank 0 loads them and broadcasts them.)"""
+    s = cfg.strategy
+    return s.name is Strategy.fsdp and s.fsdp_version == 2 and cfg.model.source is ModelSource.config
 
 
 def is_zero(cfg: RunConfig) -> bool:
@@ -215,6 +223,8 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
     kwargs: dict = {"mixed_precision": MIXED_PRECISION[cfg.precision.name]}
+    if compiling.dynamo_plugin(cfg):
+        kwargs["dynamo_plugin"] = compiling.dynamo_plugin(cfg)
     if cfg.precision.name is Precision.fp8:
         from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
 

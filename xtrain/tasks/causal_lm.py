@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xtrain import data, model as models
+from xtrain import data, model as models, plugins
 from xtrain.config import RunConfig
 from xtrain.tasks.base import TaskData
 
@@ -29,7 +29,7 @@ class CausalLM:
         self.tokenizer = prepared.tokenizer
         train_set, val_set = prepared.splits()
         # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
-        model = models.build(cfg.model, self.tokenizer, cfg.data.block_size)
+        model = models.build(cfg.model, self.tokenizer, cfg.data.block_size, shard_later=plugins.builds_on_meta(cfg))
         return TaskData(model, train_set, val_set, unit="blocks", unit_note=f" of {cfg.data.block_size} tokens")
 
     def loss(self, model, batch) -> torch.Tensor:
