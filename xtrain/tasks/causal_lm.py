@@ -33,12 +33,13 @@ class CausalLM:
         return TaskData(model, train_set, val_set, unit="blocks", unit_note=f" of {cfg.data.block_size} tokens")
 
     def loss(self, model, batch) -> torch.Tensor:
-        return model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss
+        # no KV cache: nothing here generates, and a cache's per-layer state recompiles each compiled block
+        return model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss
 
     def eval_losses(self, model, batch) -> torch.Tensor:
         """Mean next-token loss of each sequence (every block has the same length)."""
         ids = batch["input_ids"]
-        logits = model(input_ids=ids).logits
+        logits = model(input_ids=ids, use_cache=False).logits
         return sequence_losses(logits, ids)
 
     def tokens(self, batch) -> int:
