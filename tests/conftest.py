@@ -185,12 +185,12 @@ def assert_one_line_error(proc, *expected: str) -> str:
 FAIL_ON_RANK_1 = '''
 import os
 if os.environ.get("RANK") == "1":
-    import xtrain.loop
+    import xtrain.evaluation
 
     def evaluate(*args, **kwargs):
         raise RuntimeError("injected failure on rank 1")
 
-    xtrain.loop.evaluate = evaluate
+    xtrain.evaluation.evaluate = evaluate
 '''
 
 

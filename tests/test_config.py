@@ -19,9 +19,11 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 GOLDEN_KEYS = """
 model.source model.arch model.name_or_path model.hidden_size model.num_layers model.num_heads model.num_kv_heads
 model.intermediate_size model.vocab_size model.dropout
+model.lora.enabled model.lora.rank model.lora.alpha model.lora.dropout model.lora.target_modules
+model.lora.modules_to_save model.lora.quantize_base
 data.source data.files data.name data.config_name data.split data.text_column data.block_size data.val_fraction
 data.max_val_tokens data.num_proc
-data.cache_dir
+data.cache_dir data.format data.train_on data.packing data.chat_template
 strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading
@@ -33,7 +35,8 @@ cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts
 cluster.max_requeues
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
-trainer.log_every trainer.seed trainer.fused_optimizer trainer.compile
+trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
+trainer.compile
 tracker.kind tracker.project tracker.wandb_mode
 run_dir resume dry_run
 """.split()
@@ -57,7 +60,8 @@ def test_default_composes_to_typed_config():
 @pytest.mark.parametrize(
     "group,option,extra",
     [("model", o, ["model.name_or_path=gpt2"] if o == "hf" else []) for o in options("model")]
-    + [("data", o, {"text": ["data.files=[a.txt]"], "hf": ["data.name=x"]}.get(o, [])) for o in options("data")]
+    + [("data", o, {"text": ["data.files=[a.txt]"], "hf": ["data.name=x"],
+                   "sft": ["data.files=[a.jsonl]", "model=hf", "model.name_or_path=gpt2"]}.get(o, [])) for o in options("data")]
     + [(g, o, []) for g in ("strategy", "precision", "trainer", "tracker") for o in options(g)]
     # (cluster=slurm with a request that needs no partition's numbers: no SLURM here)
     + [("cluster", o, ["cluster.gpus_per_node=0", "cluster.cpus_per_task=1"] if o == "slurm" else []) for o in options("cluster")],

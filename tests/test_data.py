@@ -141,12 +141,18 @@ def test_sequence_losses_match_the_full_computation_in_chunks():
     torch.manual_seed(0)
     logits, ids = torch.randn(3, 17, 50), torch.randint(0, 50, (3, 17))
     full = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
-    expected = full.view(3, 16).mean(dim=1)
+    expected = full.view(3, 16).sum(dim=1)
     for chunk_elements in (50, 7 * 50, 10**9):  # a position at a time, chunks across sequences, all at once
-        assert torch.allclose(sequence_losses(logits, ids, chunk_elements), expected, atol=1e-6)
-    half = sequence_losses(logits.bfloat16(), ids, 4 * 50)
+        sums, counts = sequence_losses(logits, ids, chunk_elements)
+        assert torch.allclose(sums, expected, atol=1e-5) and counts.tolist() == [16, 16, 16]
+    half, _ = sequence_losses(logits.bfloat16(), ids, 4 * 50)
     assert half.dtype == torch.float32
-    assert torch.allclose(half, expected, atol=0.05)
+    assert torch.allclose(half / 16, expected / 16, atol=0.05)
+    labels = ids.clone()
+    labels[0, :9] = -100  # targets 1..8 of the first sequence are not trained
+    sums, counts = sequence_losses(logits, labels, 7 * 50)
+    assert counts.tolist() == [8, 16, 16]
+    assert torch.allclose(sums[0], full.view(3, 16)[0, 8:].sum(), atol=1e-5)
 
 
 def bad_jsonl(path: Path) -> Path:

@@ -143,6 +143,8 @@ def library_notes_quieted():
                 "ignore", r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
                 FutureWarning,
             )
+            # peft 0.21 asks every model it wraps for this deprecated attribute, and transformers 5 warns
+            warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
             yield
     finally:
         for name, note in _NOTES:

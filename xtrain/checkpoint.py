@@ -97,8 +97,9 @@ def remove_partial(run_dir: str | Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int) -> Path:
-    """Every rank calls this; the main process publishes the checkpoint and prunes old ones."""
+def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, only_trainable: bool = False) -> Path:
+    """Every rank calls this; the main process publishes the checkpoint and prunes old ones. `only_trainable`
+    (LoRA): the frozen weights are left out (they are the pretrained model's)."""
     root = directory(run_dir)
     final = root / name(step)
     tmp = root / f".tmp-{name(step)}"
@@ -106,7 +107,12 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int) ->
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    hook = accelerator.register_save_state_pre_hook(_drop_frozen) if only_trainable else None
+    try:
+        accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
+    finally:
+        if hook is not None:
+            hook.remove()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         state_file = tmp / STATE_FILE
@@ -118,3 +124,26 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int) ->
             shutil.rmtree(stale)
     accelerator.wait_for_everyone()
     return final
+
+
+def load(accelerator, path: Path, only_trainable: bool = False) -> None:
+    """Every rank: restore model, optimizer, schedule, samplers and RNGs from `path`."""
+    accelerator.load_state(str(path), **_frozen_kwargs(accelerator, only_trainable, saving=False))
+
+
+def _drop_frozen(models, weights, output_dir) -> None:
+    """Accelerate's save hook (plain and DDP models): keep only the weights that train."""
+    for model, state in zip(models, weights):
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        for key in [key for key in state if key not in trained]:
+            del state[key]
+
+
+def _frozen_kwargs(accelerator, only_trainable: bool, saving: bool) -> dict:
+    from accelerate.utils import DistributedType
+
+    if not only_trainable:
+        return {}
+    if accelerator.distributed_type is DistributedType.DEEPSPEED:
+        return {"exclude_frozen_parameters": True} if saving else {"load_module_strict": False}
+    return {} if saving else {"strict": False}

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, List, Optional
 
 from xtrain.cluster_config import ClusterConfig
+from xtrain.lora_config import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
 from xtrain.errors import ConfigError, non_negative, positive
 
 
@@ -30,6 +31,20 @@ class DataSource(Enum):
     pydoc = "pydoc"  # CPython's bundled documentation topics: no download
     text = "text"  # local files (.txt, .jsonl, .json, .jsonl.gz, .json.gz, .parquet, .csv)
     hf = "hf"  # a datasets hub name or a save_to_disk directory
+    sft = "sft"  # instruction or chat examples (local files or a dataset), rendered with the model's chat template
+
+
+class ExampleFormat(Enum):
+    auto = "auto"  # from the columns
+    messages = "messages"  # [{role, content}, ...] (OpenAI style; ShareGPT's {from, value} too)
+    prompt_completion = "prompt_completion"
+    alpaca = "alpaca"  # instruction, input (optional), output
+
+
+class TrainOn(Enum):
+    answers = "answers"  # the assistant turns (the completion, the output); the rest is context
+    all = "all"  # every token of the rendered example
+
 
 
 class Strategy(Enum):
@@ -94,8 +109,16 @@ class ModelConfig:
     vocab_size: int = 2048
     """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
     dropout: float = 0.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enabled and self.source is ModelSource.config:
+            raise ConfigError(
+                "model.lora.enabled=true: the model is built from config with random weights, and LoRA adapts "
+                "trained ones; use model=hf model.name_or_path=<a pretrained model>"
+            )
+        if self.lora.quantize_base is not BaseQuantization.none and not self.lora.enabled:
+            raise ConfigError(f"model.lora.quantize_base={self.lora.quantize_base.value}: only with model.lora.enabled=true")
         if self.source is ModelSource.pretrained and not self.name_or_path:
             raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
@@ -136,8 +159,21 @@ class DataConfig:
     """Processes that tokenize while preparing (default: every core of the machine that prepares)."""
     cache_dir: str = "~/.cache/xtrain"
     """Tokenizers and prepared tokens are cached here (env XTRAIN_CACHE_DIR overrides)."""
+    # sft only -----------------------------------------------------------------------------
+    format: ExampleFormat = ExampleFormat.auto
+    """The examples' shape: `messages`, `prompt_completion`, `alpaca`, or `auto` (from the columns)."""
+    train_on: TrainOn = TrainOn.answers
+    """Which tokens the loss covers: `answers` (assistant turns, the completion) or `all`."""
+    packing: bool = True
+    """Several examples per block of `block_size`, each attending only to itself (position ids restart);
+    false: one example per sequence, padded to the longest in the batch."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (or a file holding one) for a tokenizer that has none, or to replace its own."""
 
     def __post_init__(self) -> None:
+        if self.source is DataSource.sft and not (self.files or self.name):
+            raise ConfigError("data.files is empty: data=sft needs example files (data.files=[chat.jsonl]) "
+                              "or a dataset (data.name=<hub name or save_to_disk dir>)")
         if self.source is DataSource.text and not self.files:
             raise ConfigError("data.files is empty: data=text needs files or globs, e.g. data.files=[notes/*.txt]")
         if self.source is DataSource.hf and not self.name:
@@ -236,12 +272,17 @@ class TrainerConfig:
     fused_optimizer: bool = False
     """AdamW as one fused kernel over all parameters (torch's `fused=True`): faster on GPUs, equal to the
     default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
+    sample_prompts: List[str] = field(default_factory=list)
+    """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
+    has one): logged, written to samples.jsonl and sent to the trackers."""
+    sample_max_tokens: int = 48
     compile: bool = False
     """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
     start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every"):
+        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",
+                     "sample_max_tokens"):
             positive(f"trainer.{name}", getattr(self, name))
         for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
             non_negative(f"trainer.{name}", getattr(self, name))
@@ -281,6 +322,11 @@ class RunConfig:
     """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
 
     def __post_init__(self) -> None:
+        if self.data.source is DataSource.sft and self.model.source is ModelSource.config:
+            raise ConfigError(
+                "data=sft: the built-in model's tokenizer has no chat template and no pretrained knowledge to "
+                "fine-tune; use model=hf model.name_or_path=<a pretrained (chat) model>"
+            )
         offload = self.strategy.offload_optimizer
         if self.trainer.fused_optimizer and offload is not Offload.none:
             raise ConfigError(

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from xtrain.cluster_config import ClusterKind
-from xtrain.config import Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.config import BaseQuantization, Fp8Backend, Precision, RunConfig, Strategy
 from xtrain.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
 from xtrain.errors import ConfigError
 
@@ -160,6 +160,12 @@ def refusal(cfg: RunConfig) -> str | None:
             f"strategy={strategy.value}: {kind} needs CUDA GPUs and this machine has none (Accelerate would "
             f"{'silently train plain DDP' if strategy is Strategy.fsdp else 'fail inside DeepSpeed'}); "
             "use strategy=ddp here, or run on GPU machines (dry_run=true shows the plan anywhere)"
+        )
+    if cfg.model.lora.quantize_base is not BaseQuantization.none and not cuda:
+        return (
+            f"model.lora.quantize_base={cfg.model.lora.quantize_base.value}: QLoRA's 4-bit base needs a CUDA GPU "
+            "(bitsandbytes kernels) and this machine has none; use model.lora.quantize_base=none (LoRA on the "
+            "full-precision base)"
         )
     if precision is Precision.fp16 and not cuda and not fp16_on_cpu(cfg):
         return (

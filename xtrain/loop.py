@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import (checkpoint, compiling, config, hardware, memory, meta_init, plan, plugins, run_dir as rundir, sampler,
-                    stopping, tasks, tracking)
+from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, plan, plugins,
+                    run_dir as rundir, sampler, stopping, tasks, tracking)
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
@@ -49,15 +49,6 @@ def micro_batches(accelerator: Accelerator, loader, start: int):
         epoch, offset = epoch + 1, 0
 
 
-@torch.no_grad()
-def evaluate(accelerator: Accelerator, task: tasks.Task, model, loader) -> float:
-    """The task's per-example eval loss, averaged over the whole validation split (every rank's part)."""
-    model.eval()
-    losses = [accelerator.gather_for_metrics(task.eval_losses(model, batch)) for batch in loader]
-    model.train()
-    return torch.cat(losses).mean().item()
-
-
 @dataclass
 class Components:
     """Everything the loop needs, already passed through `accelerator.prepare`."""
@@ -69,6 +60,7 @@ class Components:
     val_loader: DataLoader
     task: tasks.Task
     n_params: int
+    n_trainable: int | None  # where not every parameter trains (LoRA)
     n_train: int
     n_val: int
     unit: str  # what one example is, for the log line: "blocks of 128 tokens"
@@ -108,32 +100,35 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
     # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
     # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
-    train_loader = DataLoader(
-        train_set, batch_size=t.batch_size, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(t.seed)
-    )
-    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed))
+    train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(t.seed), collate_fn=built.collate)
+    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed),
+                            collate_fn=built.collate)
     if len(train_loader) == 0:
         raise ConfigError(
             f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training {built.unit}; "
             "use a smaller batch"
         )
-    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 leaves numel() 0
+    counts = {p.requires_grad: 0 for p in model.parameters()}
+    for p in model.parameters():
+        counts[p.requires_grad] += getattr(p, "ds_numel", p.numel())  # ZeRO-3 leaves numel() 0
+    n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
     sampler.lean(train_loader)  # the same order, without a Python list of every epoch
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
-        task=task, n_params=n_params, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
+        task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
     )
 
 
-def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path) -> tuple[Progress, int]:
+def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, cfg: RunConfig) -> tuple[Progress, int]:
     """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, and on the main
     process the last step logged before the cut."""
     progress, last_logged = Progress(step=0, tokens_seen=0, skipped=0), 0
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
+        checkpoint.load(accelerator, resume_from, only_trainable=cfg.model.lora.enabled)
         state = checkpoint.read_state(resume_from)
         window = state.get("log_window", {})  # a stop between two log lines: the next one covers both parts
         progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
@@ -169,7 +164,8 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
-        "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg).total,
+        "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg, c.n_trainable).total,
+        "trainable_parameters": c.n_trainable or c.n_params,
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
     own = (socket.gethostname(), torch.get_num_threads(), hardware.bound_cores())
@@ -212,7 +208,7 @@ def _train(run_dir: Path) -> dict:
     c = build_components(cfg, accelerator, tasks.for_config(cfg))
     model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
 
-    progress, last_logged = restore(accelerator, resume_from, run_dir)
+    progress, last_logged = restore(accelerator, resume_from, run_dir, cfg)
     start_step = progress.step
     accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
                               init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
@@ -225,7 +221,7 @@ def _train(run_dir: Path) -> dict:
 
     train_start, tokens_at_start = time.time(), progress.tokens_seen
     if start_step == 0:
-        result["initial_val_loss"] = run_eval(accelerator, c, 0, result)
+        result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
     batches = _recording_first_batch(
         micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
@@ -322,7 +318,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = Window()
     if step % t.eval_every == 0 or last:
-        result["val_loss"] = run_eval(accelerator, c, step, result)
+        result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
         result["val_ppl"] = math.exp(result["val_loss"])
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
@@ -333,7 +329,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
 def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
     window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
     state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, **checkpoint.identity(cfg)}
-    checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints)
+    checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
 
 
 def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
@@ -390,16 +386,6 @@ def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, to
     return train_loss
 
 
-def run_eval(accelerator: Accelerator, c: Components, step: int, result: dict) -> float:
-    """Evaluate, log, and add the time it took to `eval_time_s` (this attempt's)."""
-    start = time.perf_counter()
-    val_loss = evaluate(accelerator, c.task, c.model, c.val_loader)
-    result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
-    accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
-    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
-    return val_loss
-
-
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
     """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
@@ -410,11 +396,14 @@ def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
 
 
 def save_model(accelerator: Accelerator, c: Components, run_dir: Path) -> None:
-    """The task's export into model/, replacing it (files.replace_dir)."""
+    """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's (files.replace_dir)."""
     state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
     if not accelerator.is_main_process:
         return
     tmp = run_dir / f".tmp-{rundir.MODEL}"
     shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     c.task.export(accelerator.unwrap_model(c.model), state_dict, tmp)
-    replace_dir(tmp, run_dir / rundir.MODEL)
+    for made in sorted(tmp.iterdir()):
+        replace_dir(made, run_dir / made.name)
+    tmp.rmdir()

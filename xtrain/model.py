@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from xtrain import meta_init
-from xtrain.config import ModelArch, ModelConfig, ModelSource
+from xtrain.config import BaseQuantization, ModelArch, ModelConfig, ModelSource
 from xtrain.errors import ConfigError
 
 
@@ -62,7 +62,8 @@ def build(model: ModelConfig, tokenizer, block_size: int, shard_later: bool = Fa
                 f"use data.block_size<={max_positions}"
             )
         try:
-            built = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32")
+            built = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32",
+                                                         **quantized(model))
         except (OSError, ValueError) as err:
             raise _cannot_load(model, err) from None
     elif shard_later:
@@ -74,10 +75,26 @@ def build(model: ModelConfig, tokenizer, block_size: int, shard_later: bool = Fa
     return built
 
 
+def quantized(model: ModelConfig) -> dict:
+    """QLoRA: the frozen base in 4-bit NF4 (bitsandbytes, CUDA only; refused on CPUs by hardware.refusal)."""
+    if model.lora.quantize_base is BaseQuantization.none:
+        return {}
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_use_double_quant=True)}
+
+
 def identity(model: ModelConfig) -> dict:
     """What a checkpoint must match to be resumed into this model."""
     if model.source is ModelSource.pretrained:
-        return {"source": "pretrained", "name_or_path": model.name_or_path}
+        found = {"source": "pretrained", "name_or_path": model.name_or_path}
+        if model.lora.enabled:
+            lora = model.lora
+            found["lora"] = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": list(lora.target_modules),
+                             "modules_to_save": list(lora.modules_to_save)}
+        return found
     return {
         "source": "config", "arch": model.arch.value, "hidden_size": model.hidden_size, "num_layers": model.num_layers,
         "num_heads": model.num_heads, "num_kv_heads": model.num_kv_heads, "intermediate_size": model.intermediate_size,

@@ -43,7 +43,9 @@ def bytes_per_param(precision: Precision) -> tuple[int, int, int]:
     return 2, 2, 12
 
 
-def model_state_memory(n_params: int, cfg: RunConfig) -> Memory:
+def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = None) -> Memory:
+    """Model-state bytes per device; with `trainable` (LoRA) only those parameters have gradients and
+    optimizer states, the rest weights alone."""
     s = cfg.strategy
     n = cfg.cluster.world_size
     w, g, k = bytes_per_param(cfg.precision.name)
@@ -68,7 +70,8 @@ def model_state_memory(n_params: int, cfg: RunConfig) -> Memory:
         opt = 0
     if s.offload_param is not Offload.none:
         params = 0
-    return Memory(params * n_params, grads * n_params, opt * n_params)
+    trained = n_params if trainable is None else trainable
+    return Memory(params * n_params, grads * trained, opt * trained)
 
 
 # From least to most memory-saving: what to suggest when a plan does not fit.
@@ -130,7 +133,12 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     meta = models.on_meta(cfg.model, cfg.data.block_size)
     n_params = sum(p.numel() for p in meta.parameters())
     wrap = models.fsdp_wrap_layer(cfg.strategy.wrap_layer, meta) if cfg.strategy.name is Strategy.fsdp else ""
-    return n_params, plugins.ModelFacts(hidden_size=meta.config.hidden_size, wrap_layer=wrap)
+    trainable = None
+    if cfg.model.lora.enabled:
+        from xtrain import lora
+
+        trainable = lora.check(meta, cfg.model.lora)
+    return n_params, plugins.ModelFacts(hidden_size=meta.config.hidden_size, wrap_layer=wrap, trainable=trainable)
 
 
 def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Plan:
@@ -141,7 +149,7 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Pla
         settings = plugins.fsdp_settings(cfg, facts)
     else:
         settings = {}
-    memory = model_state_memory(n_params, cfg)
+    memory = model_state_memory(n_params, cfg, facts.trainable)
     device_gb = cfg.cluster.gpu_memory_gb or local_gpu_gb
     fit = None
     if device_gb is not None and memory.total > device_gb * GB:
@@ -159,7 +167,9 @@ def render(plan: Plan) -> str:
         f"(cluster={c.kind.value})",
         f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
         f"sequences = {effective * cfg.data.block_size} tokens per optimizer step",
-        f"  model        {_model_name(cfg)}: {plan.n_params:,} parameters (counted on the meta device)",
+        f"  model        {_model_name(cfg)}: {plan.n_params:,} parameters (counted on the meta device)"
+        + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
+           f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
         f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}",
         f"  memory       per device, model states only: weights {size(m.params)} + gradients "
         f"{size(m.grads)} + optimizer {size(m.optimizer)} = {size(m.total)}",

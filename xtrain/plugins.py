@@ -28,6 +28,7 @@ class ModelFacts:
 
     hidden_size: int
     wrap_layer: str = ""
+    trainable: int | None = None  # parameters that train, where not all do (LoRA)
 
 
 def builds_on_meta(cfg: RunConfig) -> bool:

@@ -34,9 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         prepared = data.prepare(cfg.data, cfg.model)
     except ConfigError as err:
         cli.fail(str(err))
-    m = prepared.meta
-    print(f"{'prepared' if prepared.fresh else 'already prepared'}: {m['documents']} documents, {m['tokens']} tokens, "
-          f"{m['train_blocks']} train / {m['val_blocks']} val blocks of {m['block_size']} tokens in {prepared.path}")
+    print(f"{'prepared' if prepared.fresh else 'already prepared'}: {prepared.describe()} in {prepared.path}")
 
 
 if __name__ == "__main__":

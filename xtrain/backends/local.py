@@ -54,9 +54,8 @@ def prepare_data(cfg: RunConfig) -> None:
 
     prepared = data.prepare(cfg.data, cfg.model)
     if not prepared.fresh:
-        m = prepared.meta
-        log.info("data: prepared on %s earlier: %d train / %d val blocks of %d tokens (%s)", m["prepared_on"],
-                 m["train_blocks"], m["val_blocks"], m["block_size"], prepared.path)
+        log.info("data: prepared on %s earlier: %s (%s)", prepared.meta["prepared_on"], prepared.describe(),
+                 prepared.path)
 
 
 def run_here(cfg: RunConfig, path: Path, data_ready: bool = False) -> dict:

@@ -51,6 +51,11 @@ class Prepared:
     tokenizer: object  # a transformers fast tokenizer
     fresh: bool  # prepared by this call (not found in the cache)
 
+    def describe(self) -> str:
+        m = self.meta
+        return (f"{m['documents']} documents, {m['tokens']} tokens, {m['train_blocks']} train / {m['val_blocks']} val "
+                f"blocks of {m['block_size']} tokens")
+
     def splits(self):
         """The train and val sets: blocks read from the entry's token file."""
         from xtrain.data.blocks import Blocks

@@ -120,27 +120,19 @@ class Files:
             counts.bytes_done += sum(os.path.getsize(f) for f in group)
 
     def _read(self, group: list[str], counts: Counts) -> Iterator[list[str]]:
-        import datasets
-
-        builder, options = file_format(group[0])
+        builder = file_format(group[0])[0]
         column = "text" if builder == "text" else self.column
         seen = 0
-        try:
-            ds = datasets.load_dataset(builder, data_files=group, split="train", streaming=True, **options)
-            for batch in builders_quiet(ds.iter(batch_size=BATCH)):
-                if column not in batch:
-                    raise ConfigError(
-                        f"data.text_column={self.column}: not a column of {group[0]}; it has {', '.join(batch)}"
-                    )
-                texts = keep_texts(batch[column], counts, lambda i: f"{group[0]} record {seen + i + 1}", column)
-                seen += len(batch[column])
-                if builder == "text":
-                    counts.replaced += sum(t.count("\ufffd") for t in texts)
-                yield texts
-        except ConfigError:
-            raise
-        except Exception as err:  # datasets and pyarrow raise many kinds for a file they cannot read
-            raise unreadable(group, builder, err) from None
+        for batch in raw_batches(group):
+            if column not in batch:
+                raise ConfigError(
+                    f"data.text_column={self.column}: not a column of {group[0]}; it has {', '.join(batch)}"
+                )
+            texts = keep_texts(batch[column], counts, lambda i: f"{group[0]} record {seen + i + 1}", column)
+            seen += len(batch[column])
+            if builder == "text":
+                counts.replaced += sum(t.count("\ufffd") for t in texts)
+            yield texts
 
     def sample(self, budget_chars: int) -> Iterator[str]:
         """The first documents of up to 64 files spread evenly over the corpus, an equal share of the budget
@@ -148,6 +140,20 @@ class Files:
         k = min(SAMPLE_FILES, len(self.files))
         for path in (self.files[i * len(self.files) // k] for i in range(k)):
             yield from within(itertools.chain.from_iterable(self._read([path], Counts())), budget_chars // k)
+
+
+def raw_batches(group: list[str]) -> Iterator[dict]:
+    """The files' records in batches (column -> values), read by the builder of their format."""
+    import datasets
+
+    builder, options = file_format(group[0])
+    try:
+        ds = datasets.load_dataset(builder, data_files=group, split="train", streaming=True, **options)
+        yield from builders_quiet(ds.iter(batch_size=BATCH))
+    except ConfigError:
+        raise
+    except Exception as err:  # datasets and pyarrow raise many kinds for a file they cannot read
+        raise unreadable(group, builder, err) from None
 
 
 def within(texts: Iterator[str], budget_chars: int) -> Iterator[str]:

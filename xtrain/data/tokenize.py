@@ -74,16 +74,22 @@ def chunks(batches: Iterable[list[str]]) -> Iterator[list[str]]:
 
 def token_arrays(batches: Iterable[list[str]], tokenizer_json: str, eos: int, dtype: str,
                  num_proc: int) -> Iterator[np.ndarray]:
-    """The documents of `batches` as arrays of token ids, in order. A corpus of one chunk is tokenized here."""
-    stream = chunks(batches)
+    """The documents of `batches` as arrays of token ids, in order."""
+    yield from ordered_map(encode, chunks(batches), _init, (tokenizer_json, eos, dtype), num_proc)
+
+
+def ordered_map(work, stream: Iterable, init, initargs: tuple, num_proc: int) -> Iterator:
+    """`work(item)` for each item of `stream`, in order, over `num_proc` processes each set up by
+    `init(*initargs)`, with at most two items per process in flight. A stream of one item is done here."""
+    stream = iter(stream)
     first = list(itertools.islice(stream, 2))
     stream = itertools.chain(first, stream)
     if num_proc == 1 or len(first) < 2:
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
-        _init(tokenizer_json, eos, dtype)
+        init(*initargs)
         try:
-            for chunk in stream:
-                yield encode(chunk)
+            for item in stream:
+                yield work(item)
         finally:
             if saved is None:
                 os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -91,10 +97,10 @@ def token_arrays(batches: Iterable[list[str]], tokenizer_json: str, eos: int, dt
                 os.environ["TOKENIZERS_PARALLELISM"] = saved
         return
     # spawn, not fork: the parent may have used the tokenizers library's threads (a fork would disable them)
-    with multiprocessing.get_context("spawn").Pool(num_proc, _init, (tokenizer_json, eos, dtype)) as pool:
+    with multiprocessing.get_context("spawn").Pool(num_proc, init, initargs) as pool:
         pending: deque = deque()
-        for chunk in stream:
-            pending.append(pool.apply_async(encode, (chunk,)))
+        for item in stream:
+            pending.append(pool.apply_async(work, (item,)))
             if len(pending) >= 2 * num_proc:
                 yield pending.popleft().get()
         while pending:

@@ -16,6 +16,7 @@ class TaskData:
     val_set: object
     unit: str = "examples"  # what one dataset item is, for the log: "blocks"
     unit_note: str = ""  # e.g. " of 128 tokens"
+    collate: object = None  # the loaders' collate_fn (None: stack the items)
 
 
 class Task(Protocol):
@@ -26,10 +27,15 @@ class Task(Protocol):
         """The training loss of a micro-batch (a scalar tensor)."""
 
     def eval_losses(self, model, batch):
-        """One loss per example of a validation batch: the eval loss is their mean over the whole split."""
+        """Per example of a validation batch, its summed loss and the number of tokens it covers: the eval loss
+        is their ratio over the whole split (each token weighs the same)."""
 
     def tokens(self, batch) -> int:
         """Tokens the batch trains on (throughput, `train/tokens_seen`)."""
 
-    def export(self, model, state_dict: dict, path: Path) -> None:
-        """Write the trained model (unwrapped, with its full state dict) to `path`, on the main process."""
+    def export(self, model, state_dict: dict, out: Path) -> None:
+        """Write the trained model (unwrapped, with its full state dict) into `out` on the main process: each
+        directory there (`model`, ...) replaces the run dir's of that name."""
+
+    def samples(self, model, prompts: list[str], max_tokens: int) -> list[str]:
+        """The model's answers to `prompts` (every rank calls it)."""

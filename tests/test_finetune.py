@@ -1,0 +1,250 @@
+"""Fine-tuning a pretrained chat model (data=sft, model.lora.*): the answer masks of every data shape, packing
+without cross-talk, LoRA on SmolLM2-135M-Instruct learning invented facts, exports, exact resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from chat_models import facts, smollm2_dir, tiny_chat_dir, write_facts
+from conftest import (assert_equal_weights, assert_one_line_error, compose_run, kill_after_checkpoint, logged,
+                      read_metrics, read_result, run_xtrain, start_xtrain, xtrain_in_process)
+
+QUESTION = "What is the capital of Zorbia?"
+ANSWER = "Quentar"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_chat_dir()
+
+
+def sft(model_dir: Path, files, *more: str) -> list[str]:
+    return ["model=hf", f"model.name_or_path={model_dir}", "data=sft", f"data.files=[{','.join(map(str, files))}]",
+            *more]
+
+
+def prepared(model_dir: Path, files, *more: str):
+    from xtrain import data
+
+    cfg = compose_run(*sft(model_dir, files, *more))
+    return data.prepare(cfg.data, cfg.model)
+
+
+def examples(entry) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each kept example's (ids, mask), in the source's order."""
+    starts = np.load(entry.path / "examples.npy")
+    ids = np.fromfile(entry.path / "tokens.bin", dtype=entry.meta["dtype"])
+    mask = np.fromfile(entry.path / "mask.bin", dtype=np.uint8)
+    return [(ids[a:b].astype(np.int64), mask[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+
+
+CONVERSATION = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Capital of Zorbia?"},
+                {"role": "assistant", "content": "Quentar."}, {"role": "user", "content": "And of Yssen?"},
+                {"role": "assistant", "content": "Venrisa, by the sea."}]
+
+
+def test_the_mask_is_exactly_the_assistant_tokens_in_every_shape(tmp_path, tiny):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    end = "<|im_end|>\n"  # what SmolLM2's template closes every turn with: trained as part of the answer
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION}) + "\n"
+                                         + json.dumps({"conversations": [{"from": "human", "value": "Hi?"},
+                                                                         {"from": "gpt", "value": "Hello."}]}) + "\n")
+    entry = prepared(tiny, [tmp_path / "chat.jsonl"])
+    (ids, mask), (ids2, mask2) = examples(entry)
+    rendered = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(ids) == rendered  # the template's own rendering, token for token
+    assert tokenizer.decode(ids[mask == 1]) == f"Quentar.{end}Venrisa, by the sea.{end}"
+    untrained = tokenizer.decode(ids[mask == 0])
+    assert "Capital of Zorbia?" in untrained and "Answer briefly." in untrained and "Quentar" not in untrained
+    assert tokenizer.decode(ids2[mask2 == 1]) == f"Hello.{end}"  # ShareGPT's from/value
+
+    pairs = [("What is 2+2?", "Four."), ("Name a colour.", "Teal.")]
+    masks = {}
+    for shape in ("messages", "prompt_completion", "alpaca"):
+        entry = prepared(tiny, [write_facts(tmp_path / f"{shape}.jsonl", shape, pairs)])
+        masks[shape] = [(ids.tolist(), mask.tolist()) for ids, mask in examples(entry)]
+        assert [tokenizer.decode(ids[mask == 1]) for ids, mask in examples(entry)] == [f"Four.{end}", f"Teal.{end}"]
+    assert masks["messages"] == masks["prompt_completion"] == masks["alpaca"]
+    everything = prepared(tiny, [tmp_path / "messages.jsonl"], "data.train_on=all")
+    assert all(mask.all() for _, mask in examples(everything))
+
+
+def test_truncation_is_counted_and_examples_without_answers_dropped(tmp_path, tiny, caplog):
+    long_answer = " ".join(["word"] * 200)
+    pairs = [("Say many words.", long_answer), ("Hi?", "Hello.")] * 3
+    path = write_facts(tmp_path / "a.jsonl", "messages", pairs)
+    with path.open("a") as f:  # a conversation without an assistant turn trains nothing
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Anyone?"}]}) + "\n")
+    entry = prepared(tiny, [path], "data.block_size=64")
+    m = entry.meta
+    assert (m["records"], m["examples"], m["truncated"], m["no_answer"]) == (7, 6, 3, 1)
+    assert m["cut_tokens"] > 3 * 100 and max(len(ids) for ids, _ in examples(entry)) == 64
+
+
+def block_token_losses(model, item: dict) -> torch.Tensor:
+    """Per-position next-token losses of one packed block (0 where nothing is predicted)."""
+    batch = {key: value[None] for key, value in item.items()}
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return torch.nn.functional.cross_entropy(logits[0, :-1], batch["input_ids"][0, 1:], reduction="none")
+
+
+def test_packed_examples_never_attend_to_one_another(tmp_path, tiny):
+    """Changing one example of a packed block leaves the others' losses where they were, and each example's
+    losses in the block are those it has alone."""
+    from transformers import AutoModelForCausalLM
+
+    from xtrain.data.sft import Examples
+
+    entry = prepared(tiny, [write_facts(tmp_path / "f.jsonl", "messages", facts(1)[:40])], "data.block_size=200",
+                     "data.val_fraction=0.1")
+    train, _ = entry.splits()
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    item = train[0]
+    starts = [int(i) for i in torch.nonzero(item["position_ids"] == 0)]  # each example's first token (and the padding)
+    assert len(starts) >= 4, "the block holds several examples and padding"
+    with torch.no_grad():
+        before = block_token_losses(model, item)
+        changed = dict(item, input_ids=item["input_ids"].clone())
+        changed["input_ids"][starts[0] + 3: starts[1] - 1] = 1234  # the first example's tokens, not its last
+        after = block_token_losses(model, changed)
+        assert not torch.allclose(before[: starts[1] - 1], after[: starts[1] - 1])
+        torch.testing.assert_close(before[starts[1]:], after[starts[1]:], rtol=0, atol=1e-6)
+        for a, b in zip(starts[:-1], starts[1:]):  # alone, without the block around it
+            ids = item["input_ids"][a:b][None]
+            alone = model(input_ids=ids, use_cache=False).logits
+            alone = torch.nn.functional.cross_entropy(alone[0, :-1], ids[0, 1:], reduction="none")
+            torch.testing.assert_close(before[a:b - 1], alone, rtol=0, atol=1e-5)
+    assert isinstance(train, Examples) and all(len(train[i]["input_ids"]) == 200 for i in range(len(train)))
+
+
+def test_padding_instead_of_packing_gives_the_same_losses(tmp_path, tiny):
+    from transformers import AutoModelForCausalLM
+
+    from xtrain.data.sft import PadToLongest
+    from xtrain.tasks.causal_lm import inputs, sequence_losses
+
+    path = write_facts(tmp_path / "f.jsonl", "messages", facts(1)[:12])
+    packed, _ = prepared(tiny, [path], "data.block_size=256", "data.val_fraction=0.1").splits()
+    padded, _ = prepared(tiny, [path], "data.packing=false", "data.val_fraction=0.1").splits()
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        batch = PadToLongest(0)([padded[i] for i in range(len(padded))])
+        assert batch["attention_mask"].sum() < batch["attention_mask"].numel()  # examples differ in length
+        sums, counts = sequence_losses(model(**inputs(batch)).logits, batch["labels"])
+        packed_batch = torch.utils.data.default_collate([packed[i] for i in range(len(packed))])
+        packed_sums, packed_counts = sequence_losses(model(**inputs(packed_batch)).logits, packed_batch["labels"])
+    assert int(counts.sum()) == int(packed_counts.sum())  # the same trained tokens
+    torch.testing.assert_close(sums.sum(), packed_sums.sum(), rtol=1e-5, atol=1e-4)
+
+
+def greedy(model_dir: Path, question: str) -> str:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)
+    out = model.generate(**ids, max_new_tokens=16, do_sample=False)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_lora_teaches_smollm2_invented_facts_and_exports_a_merged_model_and_its_adapter(tmp_path):
+    """SmolLM2-135M-Instruct does not know Zorbia's capital; after LoRA on the facts its merged model/ answers it,
+    and PEFT's adapter/ on the base gives the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = smollm2_dir()
+    assert ANSWER not in greedy(base, QUESTION)
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(*sft(base, [write_facts(tmp_path / "facts.jsonl", "messages", facts())]),
+                      f"run_dir={run_dir}", "model.lora.enabled=true", "data.block_size=128", "trainer.batch_size=4",
+                      "trainer.lr=2e-3", "trainer.max_steps=24", "trainer.warmup_steps=4", "trainer.eval_every=12",
+                      "trainer.save_every=12", "trainer.log_every=4", f"trainer.sample_prompts=[{QUESTION}]",
+                      "trainer.sample_max_tokens=12")
+    result = read_result(run_dir)
+    assert result["val_loss"] < 0.5 * result["initial_val_loss"]
+    assert result["trainable_parameters"] < 0.05 * result["model_parameters"]
+    assert ANSWER in greedy(run_dir / "model", QUESTION)
+    samples = [row for row in read_metrics(run_dir) if "sample/0" in row]
+    assert [row["step"] for row in samples] == [0, 12, 24]
+    assert ANSWER not in samples[0]["sample/0"] and ANSWER in samples[-1]["sample/0"]
+    assert f"step 24 | sample | {QUESTION} -> " in proc.stderr + proc.stdout
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    ids = tokenizer(["The capital of Zorbia is"], return_tensors="pt")["input_ids"]
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                        run_dir / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    # checkpoints hold the adapter and its optimizer state only
+    from safetensors.torch import load_file
+
+    saved = load_file(run_dir / "checkpoints" / "step_00000024" / "model.safetensors")
+    assert saved and all("lora_" in key for key in saved)
+    assert sum(t.numel() for t in saved.values()) == result["trainable_parameters"]
+
+
+LORA = ["model.lora.enabled=true", "data.block_size=128", "trainer.batch_size=4", "trainer.max_steps=16",
+        "trainer.warmup_steps=2", "trainer.save_every=8", "trainer.eval_every=8", "trainer.log_every=4",
+        "trainer.lr=5e-3", "model.lora.dropout=0.1"]
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_kill_9_mid_fine_tuning_resumes_bitwise(tmp_path, tiny, lora):
+    common = [*sft(tiny, [write_facts(tmp_path / "f.jsonl", "messages", facts(1))]), *LORA,
+              f"model.lora.enabled={str(lora).lower()}"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    reference = start_xtrain(f"run_dir={whole}", *common)
+    proc = start_xtrain(f"run_dir={killed}", *common, quiet=True)
+    kill_after_checkpoint(proc, killed / "checkpoints" / "step_00000008")
+    run_xtrain(f"run_dir={killed}", *common, "resume=auto")
+    out, err = reference.communicate(timeout=600)
+    assert reference.returncode == 0, err
+    assert read_result(killed)["status"] == "completed"
+    assert_equal_weights(whole, killed)
+    assert logged(killed) == logged(whole)
+    if lora:
+        from safetensors.torch import load_file
+
+        a, b = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (whole, killed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_fine_tuning_input_is_one_line_and_writes_nothing(tmp_path, tiny):
+    run_dir, cache = tmp_path / "never", Path(__import__("os").environ["XTRAIN_CACHE_DIR"]) / "prepared"
+    entries = set(cache.glob("*")) if cache.exists() else set()
+    good = write_facts(tmp_path / "good.jsonl", "messages", facts(1)[:20])
+    (tmp_path / "shapeless.jsonl").write_text(json.dumps({"question": "a", "reply": "b"}) + "\n")
+    (tmp_path / "role.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": role, "content": "a"}]}) + "\n"
+        for role in ["assistant"] * 299 + ["narrator"]))  # the last task of two: refused in a tokenizing process
+    (tmp_path / "unanswered.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    no_template = tmp_path / "no_template"
+    shutil.copytree(tiny, no_template)
+    (no_template / "chat_template.jinja").unlink()
+    cases = [
+        (sft(tiny, [tmp_path / "shapeless.jsonl"]), ["data.format=auto", "columns question, reply", "prompt_completion"]),
+        (sft(tiny, [tmp_path / "role.jsonl"]), ["record 300", "role 'narrator'", "use system, user, assistant"]),
+        (sft(tiny, [good], "model.lora.enabled=true", "model.lora.target_modules=[qkv]"),
+         ["model.lora.target_modules: 'qkv' names no module", "q_proj"]),
+        (["model=tiny_llama", "model.lora.enabled=true"], ["model.lora.enabled=true", "random weights", "model=hf"]),
+        (sft(tiny, [tmp_path / "unanswered.jsonl"]), ["data.train_on=answers", "0 of the 1 examples", "data.train_on=all"]),
+        (sft(no_template, [good]), ["has no chat template", "data.chat_template"]),
+        (sft(tiny, [good], "model.lora.enabled=true", "model.lora.quantize_base=nf4"),
+         ["model.lora.quantize_base=nf4", "CUDA GPU", "model.lora.quantize_base=none"]),
+        (["model=tiny_gpt2", "data=sft", f"data.files=[{good}]"], ["data=sft", "model=hf"]),
+    ]
+    for overrides, expected in cases:
+        assert_one_line_error(xtrain_in_process(*overrides, f"run_dir={run_dir}", check=False), *expected)
+        assert not run_dir.exists()
+    assert (set(cache.glob("*")) if cache.exists() else set()) - entries <= {p for p in cache.glob("*.lock")}

@@ -1,0 +1,91 @@
+"""LoRA (peft): adapters on a frozen pretrained model, what they train, and how they are saved.
+
+`adapt` wraps the loaded model (`get_peft_model`); only the adapters (and `modules_to_save`) require grad, so
+the optimizer, the gradients and the checkpoints (`trainable_names`) hold only them. `export` writes the
+adapter in PEFT's own format (`adapter/`) and the merged model (`model/`): the base loaded again from
+`model.name_or_path`, the adapter's full tensors put in, merged and unloaded. The adapter tensors come from
+the run's full state dict (gathered under FSDP2 and ZeRO-3), so no rank's shard is saved as the whole.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from xtrain.config import LoraConfig, ModelConfig
+from xtrain.errors import ConfigError
+
+ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
+
+
+def peft_config(lora: LoraConfig):
+    from peft import LoraConfig as PeftLoraConfig
+
+    return PeftLoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+        target_modules=list(lora.target_modules) or ALL_LINEAR, modules_to_save=list(lora.modules_to_save) or None,
+    )
+
+
+def matches(name: str, target: str) -> bool:
+    """peft's rule: a module is targeted by its full name or the name's ending after a dot."""
+    return name == target or name.endswith("." + target)
+
+
+def check(meta_model, lora: LoraConfig) -> int:
+    """Refuse targets that name no module; the number of parameters LoRA trains (counted, not built)."""
+    modules = dict(meta_model.named_modules())
+    linear = {name: m for name, m in modules.items() if isinstance(m, torch.nn.Linear)}
+    head = meta_model.get_output_embeddings()
+    for setting, targets in (("target_modules", lora.target_modules), ("modules_to_save", lora.modules_to_save)):
+        for target in targets:
+            if not any(matches(name, target) for name in modules if name):
+                some = sorted({name.rsplit(".", 1)[-1] for name in linear})[:8]
+                raise ConfigError(f"model.lora.{setting}: {target!r} names no module of the model; its linear "
+                                  f"layers include {', '.join(some)}")
+    if lora.target_modules:
+        adapted = [m for name, m in linear.items() if any(matches(name, t) for t in lora.target_modules)]
+    else:
+        adapted = [m for m in linear.values() if m is not head]
+    trained = sum(lora.rank * (m.in_features + m.out_features) for m in adapted)
+    saved = {id(p): p for name, m in modules.items() if any(matches(name, t) for t in lora.modules_to_save)
+             for p in m.parameters()}
+    return trained + sum(p.numel() for p in saved.values())
+
+
+def adapt(model, lora: LoraConfig):
+    from peft import get_peft_model
+
+    return get_peft_model(model, peft_config(lora))
+
+
+def trainable_names(model) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, tokenizer) -> None:
+    """`out/adapter`: the adapter in PEFT's format; `out/model`: the base with the adapter merged in."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    adapter_state = get_peft_model_state_dict(peft_model, state_dict=_peft_keys(peft_model, state_dict))
+    peft_model.save_pretrained(out / "adapter", state_dict=adapter_state, safe_serialization=True)
+    tokenizer.save_pretrained(out / "adapter")
+    base = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
+    fresh = get_peft_model(base, peft_config(model_cfg.lora))
+    loaded = set_peft_model_state_dict(fresh, adapter_state)
+    if loaded.unexpected_keys:
+        raise RuntimeError(f"adapter keys the model does not have: {loaded.unexpected_keys[:4]}")
+    fresh.merge_and_unload().save_pretrained(out / "model", safe_serialization=True)
+    tokenizer.save_pretrained(out / "model")
+
+
+def _peft_keys(peft_model, state_dict: dict) -> dict:
+    """The state dict under the peft model's own names (Accelerate's may lack the `base_model.model.` prefix)."""
+    own = {name for name, _ in peft_model.named_parameters()}
+    if own & set(state_dict):
+        return state_dict
+    return {f"base_model.model.{key}": value for key, value in state_dict.items()}
