@@ -8,6 +8,8 @@ previous newest checkpoint or a complete new one.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
@@ -109,7 +111,8 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, on
     accelerator.wait_for_everyone()
     hook = accelerator.register_save_state_pre_hook(_drop_frozen) if only_trainable else None
     try:
-        accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
+        with _fsdp_adapter_only(accelerator, only_trainable):
+            accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
     finally:
         if hook is not None:
             hook.remove()
@@ -128,7 +131,8 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, on
 
 def load(accelerator, path: Path, only_trainable: bool = False) -> None:
     """Every rank: restore model, optimizer, schedule, samplers and RNGs from `path`."""
-    accelerator.load_state(str(path), **_frozen_kwargs(accelerator, only_trainable, saving=False))
+    with _fsdp_adapter_only(accelerator, only_trainable):
+        accelerator.load_state(str(path), **_frozen_kwargs(accelerator, only_trainable, saving=False))
 
 
 def _drop_frozen(models, weights, output_dir) -> None:
@@ -147,3 +151,22 @@ def _frozen_kwargs(accelerator, only_trainable: bool, saving: bool) -> dict:
     if accelerator.distributed_type is DistributedType.DEEPSPEED:
         return {"exclude_frozen_parameters": True} if saving else {"load_module_strict": False}
     return {} if saving else {"strict": False}
+
+
+@contextlib.contextmanager
+def _fsdp_adapter_only(accelerator, only_trainable: bool):
+    """FSDP: Accelerate's own model save and load with `adapter_only=True` (peft models: the adapter's state
+    alone), which `save_state`/`load_state` do not pass on."""
+    from accelerate import accelerator as module
+    from accelerate.utils import DistributedType
+
+    if not (only_trainable and accelerator.distributed_type is DistributedType.FSDP):
+        yield
+        return
+    save, load = module.save_fsdp_model, module.load_fsdp_model
+    module.save_fsdp_model = functools.partial(save, adapter_only=True)
+    module.load_fsdp_model = functools.partial(load, adapter_only=True)
+    try:
+        yield
+    finally:
+        module.save_fsdp_model, module.load_fsdp_model = save, load

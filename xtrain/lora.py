@@ -9,6 +9,7 @@ the run's full state dict (gathered under FSDP2 and ZeRO-3), so no rank's shard 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, toke
     adapter_state = get_peft_model_state_dict(peft_model, state_dict=_peft_keys(peft_model, state_dict))
     peft_model.save_pretrained(out / "adapter", state_dict=adapter_state, safe_serialization=True)
     tokenizer.save_pretrained(out / "adapter")
-    base = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
+    with without_zero3_init():
+        base = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
     fresh = get_peft_model(base, peft_config(model_cfg.lora))
     loaded = set_peft_model_state_dict(fresh, adapter_state)
     if loaded.unexpected_keys:
@@ -89,3 +91,19 @@ def _peft_keys(peft_model, state_dict: dict) -> dict:
     if own & set(state_dict):
         return state_dict
     return {f"base_model.model.{key}": value for key, value in state_dict.items()}
+
+
+@contextlib.contextmanager
+def without_zero3_init():
+    """transformers builds every model under DeepSpeed's zero.Init (a collective) while a ZeRO-3 run's config is
+    registered; the main process alone loads the base for the export, plainly."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    held = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if held is not None:
+            hf_deepspeed.set_hf_deepspeed_config(held)

@@ -20,6 +20,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
         {"params": [p for p in params if id(p) in matrix], "weight_decay": cfg.trainer.weight_decay},
         {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
     ]
+    groups = [g for g in groups if g["params"]]  # LoRA trains matrices only; DeepSpeed drops an empty group
     hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
     if cfg.strategy.offload_optimizer is not Offload.none and not zero_on_cpu(cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam

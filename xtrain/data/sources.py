@@ -310,7 +310,9 @@ def check(data: DataConfig) -> None:
         for builder, path in firsts.items():
             if builder != "text":
                 next(iter(source._read([path], Counts())), None)
-    elif data.source is DataSource.hf and not is_local_dataset_dir(data.name):
+    elif data.source is DataSource.sft and data.files:
+        Files(data)  # every pattern matches a file (the shapes are read while preparing)
+    elif data.source in (DataSource.hf, DataSource.sft) and not is_local_dataset_dir(data.name):
         if _looks_like_path(data.name):
             raise ConfigError(
                 f"data.name={data.name}: no such directory; give a save_to_disk directory or a hub dataset name"
