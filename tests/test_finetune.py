@@ -73,6 +73,18 @@ def test_the_mask_is_exactly_the_assistant_tokens_in_every_shape(tmp_path, tiny)
         masks[shape] = [(ids.tolist(), mask.tolist()) for ids, mask in examples(entry)]
         assert [tokenizer.decode(ids[mask == 1]) for ids, mask in examples(entry)] == [f"Four.{end}", f"Teal.{end}"]
     assert masks["messages"] == masks["prompt_completion"] == masks["alpaca"]
+    import datasets  # the same examples as Parquet, a JSON array and a save_to_disk dataset
+
+    rows = datasets.Dataset.from_list([{"prompt": q, "completion": a} for q, a in pairs])
+    rows.to_parquet(tmp_path / "pc.parquet")
+    (tmp_path / "pc.json").write_text(json.dumps([{"prompt": q, "completion": a} for q, a in pairs]))
+    rows.save_to_disk(str(tmp_path / "saved"))
+    for source in ([tmp_path / "pc.parquet"], [tmp_path / "pc.json"]):
+        assert [(i.tolist(), m.tolist()) for i, m in examples(prepared(tiny, source))] == masks["messages"]
+    from xtrain import data
+
+    cfg = compose_run("model=hf", f"model.name_or_path={tiny}", "data=sft", f"data.name={tmp_path / 'saved'}")
+    assert [(i.tolist(), m.tolist()) for i, m in examples(data.prepare(cfg.data, cfg.model))] == masks["messages"]
     everything = prepared(tiny, [tmp_path / "messages.jsonl"], "data.train_on=all")
     assert all(mask.all() for _, mask in examples(everything))
 

@@ -153,9 +153,10 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
                  start_step: int, n_params_meta: int) -> dict:
     """result.json as the loop starts (status `running`), and the run's header line."""
     t, world = cfg.trainer, accelerator.num_processes
+    trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
     log.info(
-        "model %.2fM params | %d train / %d val %s | world %d | %s | effective batch %d sequences",
-        c.n_params / 1e6, c.n_train, c.n_val, c.unit, world,
+        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d sequences",
+        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world,
         accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
     )
     if resume_from is not None:
