@@ -54,7 +54,9 @@ def run(model: Path, corpus: Path, run_dir: Path, steps: int, extra: list[str]) 
            f"data.files=[{corpus}]", "data.block_size=512", "trainer.batch_size=4", f"trainer.max_steps={steps}",
            "trainer.warmup_steps=1", "trainer.log_every=2", f"trainer.eval_every={steps}",
            f"trainer.save_every={steps}", f"run_dir={run_dir}", *extra]
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     result = json.loads((run_dir / "result.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [row["train/tokens_per_s"] for row in rows if "train/tokens_per_s" in row][1:]
@@ -80,9 +82,8 @@ def main() -> None:
         corpus = chat_set(Path(tmp) / "chat.jsonl", args.examples)
         figures: dict[str, list[dict]] = {name: [] for name in CONFIGS}
         for repeat in range(args.repeats):
-            for name, extra in CONFIGS.items():
-                figures[name].append(run(model, corpus, Path(tmp) / f"{repeat}-{len(figures[name])}-{name[:4]}",
-                                         args.steps, extra))
+            for i, (name, extra) in enumerate(CONFIGS.items()):
+                figures[name].append(run(model, corpus, Path(tmp) / f"run-{repeat}-{i}", args.steps, extra))
     print(f"SmolLM2-135M-Instruct, {args.examples} chat examples, block 512, batch 4, {args.steps} steps, "
           f"median of {args.repeats}")
     print("| configuration | trained tokens/s | peak RSS | checkpoint | trainable parameters |")

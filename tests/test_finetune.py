@@ -137,6 +137,16 @@ def test_packed_examples_never_attend_to_one_another(tmp_path, tiny):
     assert isinstance(train, Examples) and all(len(train[i]["input_ids"]) == 200 for i in range(len(train)))
 
 
+def test_packing_fills_blocks_and_keeps_every_example_once():
+    from xtrain.data.sft import pack
+
+    lengths = np.random.default_rng(0).integers(40, 475, size=400)
+    order, bounds = pack(lengths, 512)
+    assert sorted(order.tolist()) == list(range(400))
+    blocks = [lengths[order[a:b]].sum() for a, b in zip(bounds[:-1], bounds[1:])]
+    assert max(blocks) <= 512 and sum(blocks) / (512 * len(blocks)) > 0.9
+
+
 def test_padding_instead_of_packing_gives_the_same_losses(tmp_path, tiny):
     from transformers import AutoModelForCausalLM
 

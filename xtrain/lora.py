@@ -1,9 +1,10 @@
 """LoRA (peft): adapters on a frozen pretrained model, what they train, and how they are saved.
 
 `adapt` wraps the loaded model (`get_peft_model`); only the adapters (and `modules_to_save`) require grad, so
-the optimizer, the gradients and the checkpoints (`trainable_names`) hold only them. `export` writes the
-adapter in PEFT's own format (`adapter/`) and the merged model (`model/`): the base loaded again from
-`model.name_or_path`, the adapter's full tensors put in, merged and unloaded. The adapter tensors come from
+the optimizer, the gradients and the checkpoints (checkpoint.py) hold only them. `export` writes the
+adapter in PEFT's own format (`adapter/`) and the merged model (`model/`): the trained model merged in place
+where it is whole on the main process (one process, DDP); under FSDP2 and ZeRO-3 the base loaded again from
+`model.name_or_path` with the adapter's full tensors put in, merged and unloaded. The adapter tensors come from
 the run's full state dict (gathered under FSDP2 and ZeRO-3), so no rank's shard is saved as the whole.
 """
 
@@ -62,10 +63,6 @@ def adapt(model, lora: LoraConfig):
     return get_peft_model(model, peft_config(lora))
 
 
-def trainable_names(model) -> set[str]:
-    return {name for name, p in model.named_parameters() if p.requires_grad}
-
-
 def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, tokenizer) -> None:
     """`out/adapter`: the adapter in PEFT's format; `out/model`: the base with the adapter merged in."""
     from peft import get_peft_model, set_peft_model_state_dict
@@ -75,14 +72,25 @@ def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, toke
     adapter_state = get_peft_model_state_dict(peft_model, state_dict=_peft_keys(peft_model, state_dict))
     peft_model.save_pretrained(out / "adapter", state_dict=adapter_state, safe_serialization=True)
     tokenizer.save_pretrained(out / "adapter")
-    with without_zero3_init():
-        base = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
-    fresh = get_peft_model(base, peft_config(model_cfg.lora))
-    loaded = set_peft_model_state_dict(fresh, adapter_state)
-    if loaded.unexpected_keys:
-        raise RuntimeError(f"adapter keys the model does not have: {loaded.unexpected_keys[:4]}")
-    fresh.merge_and_unload().save_pretrained(out / "model", safe_serialization=True)
+    if whole(peft_model):  # the trained model itself, merged in place: no second copy of the base
+        merged = peft_model.merge_and_unload()
+    else:  # a rank's shards: the base loaded again on this process, the gathered adapter put in
+        with without_zero3_init():
+            base = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
+        fresh = get_peft_model(base, peft_config(model_cfg.lora))
+        loaded = set_peft_model_state_dict(fresh, adapter_state)
+        if loaded.unexpected_keys:
+            raise RuntimeError(f"adapter keys the model does not have: {loaded.unexpected_keys[:4]}")
+        merged = fresh.merge_and_unload()
+    merged.save_pretrained(out / "model", safe_serialization=True)
     tokenizer.save_pretrained(out / "model")
+
+
+def whole(model) -> bool:
+    """Every parameter is whole on this process (not an FSDP2 shard, not a ZeRO-3 partition)."""
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _peft_keys(peft_model, state_dict: dict) -> dict:

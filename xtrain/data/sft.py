@@ -7,13 +7,14 @@
 
 Examples are rendered and masked in `data.num_proc` processes (chat.py), in the source's order. An example
 longer than `data.block_size` keeps its first `block_size` tokens (counted, and said); one with no trained
-token left is dropped (counted). Packing is next-fit in order: examples are added to a block until the next
-one does not fit. The entry goes through the same once-only, locked, renamed-into-place write as text data
+token left is dropped (counted). Packing is best-fit decreasing (`pack`): blocks come out ~95 % full or more
+where examples are short against the block. The entry goes through the same once-only, locked, renamed-into-place write as text data
 (cache.build_once), keyed by the examples, the tokenizer, the template and every setting that shapes it.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import logging
@@ -172,8 +173,12 @@ def write_entry(path: Path, source: ExampleSource, name_or_path: str, template: 
     train = np.setdiff1d(np.arange(len(lengths)), val)
     items = {}
     for name, order in (("train", train), ("val", val)):
+        if data.packing:
+            within, bounds = pack(lengths[order], block)
+            order = order[within]
+        else:
+            bounds = np.arange(len(order) + 1)
         np.save(path / f"{name}.npy", order)
-        bounds = pack(lengths[order], block) if data.packing else np.arange(len(order) + 1)
         np.save(path / f"{name}_items.npy", bounds)
         items[name] = len(bounds) - 1
     meta = {
@@ -203,16 +208,33 @@ def split_off_val(lengths: np.ndarray, data: DataConfig) -> np.ndarray:
     return np.sort(drawn[: min(max(1, within), n - 1)])
 
 
-def pack(lengths: np.ndarray, block: int) -> np.ndarray:
-    """Item bounds of next-fit packing: examples in order, a new block when the next one does not fit."""
-    bounds, used = [0], 0
-    for j, length in enumerate(lengths.tolist()):
-        if used and used + length > block:
-            bounds.append(j)
-            used = 0
-        used += length
-    bounds.append(len(lengths))
-    return np.asarray(bounds, dtype=np.int64)
+def pack(lengths: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit decreasing: examples from the longest down, each into the block whose free space it fills most
+    closely (a new block where none has room). Returns the examples' order (positions in `lengths`), block by
+    block, and where each block starts in it. Deterministic; the loader shuffles the blocks."""
+    free: dict[int, list[int]] = {}  # free tokens -> the blocks with that much room
+    sizes: list[int] = []  # the distinct free sizes that have blocks, sorted
+    blocks: list[list[int]] = []
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        length = int(lengths[i])
+        at = bisect.bisect_left(sizes, length)
+        if at == len(sizes):
+            blocks.append([i])
+            target, room = len(blocks) - 1, block - length
+        else:
+            size = sizes[at]
+            target = free[size].pop()
+            if not free[size]:
+                del free[size], sizes[at]
+            blocks[target].append(i)
+            room = size - length
+        if room:
+            if room not in free:
+                free[room] = []
+                bisect.insort(sizes, room)
+            free[room].append(target)
+    order = np.fromiter((i for b in blocks for i in b), dtype=np.int64, count=len(lengths))
+    return order, np.concatenate([[0], np.cumsum([len(b) for b in blocks])]).astype(np.int64)
 
 
 class Examples(Dataset):
