@@ -31,7 +31,7 @@ $(TEST_READY): $(READY)
 test: $(TEST_READY)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(ARGS)
 
-bench: setup
+bench: $(TEST_READY)
 	$(BIN)/python benchmarks/throughput.py
 	$(BIN)/python benchmarks/startup.py
 	$(BIN)/python benchmarks/precision.py
@@ -40,3 +40,4 @@ bench: setup
 	$(BIN)/python benchmarks/sweep.py
 	$(BIN)/python benchmarks/slurm.py
 	$(BIN)/python benchmarks/data.py
+	$(BIN)/python benchmarks/finetune.py
