@@ -41,3 +41,4 @@ bench: $(TEST_READY)
 	$(BIN)/python benchmarks/slurm.py
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/finetune.py
+	$(BIN)/python benchmarks/tune.py

@@ -31,13 +31,18 @@ SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accu
            "trainer.warmup_steps=4", "trainer.log_every=2", "trainer.eval_every=10", "trainer.save_every=10"]
 
 
+# Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
+BESIDE_SLURM = {"test_tune.py"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """Under `pytest -n 2 --dist loadgroup` (make test): the SLURM tests run in one worker, everything else in the
-    other. The SLURM tests spend most of their time waiting on the scheduler, with one CPU per job; one worker
-    starts the test cluster, once."""
+    other (but BESIDE_SLURM). The SLURM tests spend most of their time waiting on the scheduler, with one CPU per
+    job; one worker starts the test cluster, once."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("slurm" if "slurm_cluster" in item.fixturenames else "local"))
+        beside = "slurm_cluster" in item.fixturenames or item.path.name in BESIDE_SLURM
+        item.add_marker(pytest.mark.xdist_group("slurm" if beside else "local"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -276,14 +276,15 @@ def test_the_peak_memory_a_run_records_starts_at_the_run():
 
 DISCOVER = ("from xtrain.cli import register_schemas; register_schemas(); "
             "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
-            "import hydra_plugins.xtrain_launcher.launcher as m; "
-            "print(m.__file__, [c.__name__ for c in Plugins.instance().discover(Launcher)])")
+            "from hydra.plugins.sweeper import Sweeper; import hydra_plugins.xtrain_launcher.launcher as m; "
+            "print(m.__file__, [c.__name__ for c in Plugins.instance().discover(Launcher)], "
+            "[c.__name__ for c in Plugins.instance().discover(Sweeper)])")
 
 
 def test_hydra_finds_the_launcher_in_this_editable_install(tmp_path):
     """A setuptools editable install hides namespace packages from Hydra's scan: xtrain makes them visible."""
     out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert "'LocalLauncher'" in out.stdout and str(REPO / "launchers") in out.stdout
+    assert "'LocalLauncher'" in out.stdout and "'OptunaSweeper'" in out.stdout and str(REPO / "launchers") in out.stdout
 
 
 def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
@@ -293,7 +294,8 @@ def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
                     "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=300)
     out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": str(target)})
-    assert "'LocalLauncher'" in out.stdout and "'SlurmLauncher'" in out.stdout and str(target) in out.stdout
+    assert "'LocalLauncher'" in out.stdout and "'SlurmLauncher'" in out.stdout and "'OptunaSweeper'" in out.stdout
+    assert str(target) in out.stdout
 
 
 def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, plan, plugins,
-                    run_dir as rundir, sampler, stopping, tasks, tracking)
+                    run_dir as rundir, sampler, stopping, tasks, tracking, trial)
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
@@ -64,6 +64,7 @@ class Components:
     n_train: int
     n_val: int
     unit: str  # what one example is, for the log line: "blocks of 128 tokens"
+    pruning: trial.Pruning | None = None  # where the run is a study's trial
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Progress:
     skipped: int  # optimizer steps the fp16 loss scaler skipped
     window: Window = field(default_factory=Window)
     last_finite: tuple[int, float] | None = None
+    pruned: bool = False  # a study's pruner asked this trial to stop
 
 
 def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task) -> Components:
@@ -207,6 +209,7 @@ def _train(run_dir: Path) -> dict:
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator, tasks.for_config(cfg))
+    c.pruning = trial.Pruning(run_dir, accelerator.is_main_process)
     model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
 
     progress, last_logged = restore(accelerator, resume_from, run_dir, cfg)
@@ -254,13 +257,16 @@ def _train(run_dir: Path) -> dict:
 def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
            tokens_per_s: float, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
+    pruned = stop is not None and stop["signal"] == trial.PRUNER
     result.update(
-        status=Status.completed if stop is None else Status.interrupted,
+        status=Status.completed if stop is None else Status.pruned if pruned else Status.interrupted,
         tokens_per_s=tokens_per_s,
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
-    if stop is not None:
+    if pruned:
+        result.update(stop=stop, error=f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved")
+    elif stop is not None:
         result.update(stop=stop, error=f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved")
     if accelerator.is_main_process:
         rundir.update_result(run_dir, result)
@@ -291,10 +297,12 @@ def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, 
             note_first_step(result, process_start)
         saved = periodic(accelerator, cfg, c, p, result, run_dir, bar)
         result["steps"], result["skipped_steps"] = step, p.skipped
-        if stop and step < t.max_steps:
+        if (stop or p.pruned) and step < t.max_steps:
             if not saved:
                 save_checkpoint(accelerator, cfg, run_dir, p)
             request = stopping.requested() or {"signal": "a stop request on another rank", "at": time.time()}
+            if p.pruned and not stop:
+                request = {"signal": trial.PRUNER, "at": time.time()}
             log.info("step %d | stopped by %s: checkpoint saved", step, request["signal"])
             return {**request, "step": step}
     return None
@@ -321,6 +329,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     if step % t.eval_every == 0 or last:
         result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
         result["val_ppl"] = math.exp(result["val_loss"])
+        p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
         return True

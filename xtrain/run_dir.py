@@ -53,12 +53,13 @@ class Status(str, Enum):
     failed = "failed"  # an error ended it (`error` says which); it can be resumed from its checkpoints
     interrupted = "interrupted"  # stopped: on request at a step boundary with a checkpoint (`stop`), or at once
     requeued = "requeued"  # stopped with a checkpoint; its SLURM job was requeued and will resume it
+    pruned = "pruned"  # a study's trial its pruner stopped at a step boundary, with a checkpoint (trial.py)
     cancelled = "cancelled"  # its SLURM job was cancelled before the run could record an end
     timeout = "timeout"  # its SLURM job reached its time limit before the run could record an end
 
 
 PENDING = "pending"  # what readers show for a run dir without result.json: written, not started
-ENDED = {Status.completed, Status.failed, Status.interrupted, Status.cancelled, Status.timeout}
+ENDED = {Status.completed, Status.failed, Status.interrupted, Status.cancelled, Status.timeout, Status.pruned}
 
 
 class Result(TypedDict, total=False):

@@ -38,9 +38,15 @@ def sweep_status(sweep_dir: Path) -> str:
     for r in table:
         if r["error"]:
             lines.append(f"{r['point']}: {r['error']}")
-    top = summary.best(table)
+    record = summary.study_record(sweep_dir)
+    objective = record.get("objective", "val_loss")
+    top = summary.best(table, objective, record.get("direction", "minimize"))
+    if record:
+        told = ", ".join(f"{n} {state}" for state, n in sorted(record["trials"].items()))
+        lines.append(f"study {record['study_name']}: {sum(record['trials'].values())} of {record['n_trials']} trials "
+                     f"asked ({told}); pruner {record['pruner']}")
     if top:
-        lines.append(f"best: {top['point']} (val loss {top['val_loss']:.4f})")
+        lines.append(f"best: {top['point']} ({objective} {top[objective]:.4f})")
     lines.append(f"files: {sweep_dir / summary.MARKDOWN}, {sweep_dir / summary.CSV}, {sweep_dir / summary.PLOT}")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from xtrain import run_dir as rundir
+from xtrain import run_dir as rundir, study
 from xtrain.files import write_atomic
 
 CSV = "sweep.csv"
@@ -89,9 +89,16 @@ def rows(sweep_dir: Path) -> list[dict]:
     return out
 
 
-def best(table: list[dict]) -> dict | None:
-    done = [r for r in table if r["status"] == "completed" and isinstance(r["val_loss"], float)]
-    return min(done, key=lambda r: r["val_loss"]) if done else None
+def study_record(sweep_dir: Path) -> dict:
+    """A study's study.json (tune.py), or {} for a grid sweep."""
+    path = Path(sweep_dir) / study.STUDY_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def best(table: list[dict], objective: str = "val_loss", direction: str = "minimize") -> dict | None:
+    done = [r for r in table if r["status"] == "completed" and isinstance(r.get(objective), float)]
+    pick = max if direction == "maximize" else min
+    return pick(done, key=lambda r: r[objective]) if done else None
 
 
 def fmt(value) -> str:
@@ -101,14 +108,25 @@ def fmt(value) -> str:
 
 
 def markdown(sweep_dir: Path, table: list[dict]) -> str:
-    top = best(table)
+    record = study_record(sweep_dir)
+    objective, direction = record.get("objective", "val_loss"), record.get("direction", "minimize")
+    top = best(table, objective, direction)
     counts: dict[str, int] = {}
     for r in table:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    lines = [f"# Sweep {Path(sweep_dir).resolve()}", "",
+    kind = f"Study {record['study_name']}:" if record else "Sweep"
+    lines = [f"# {kind} {Path(sweep_dir).resolve()}", "",
              f"{len(table)} points: " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())), ""]
+    if record:
+        lines += [f"{record['n_trials']} trials; {direction} {objective}; sampler "
+                  f"{record['sampler']['_target_'].split('.')[-1]}, pruner {record['pruner']}; storage "
+                  f"{record['storage']}", ""]
     if top:
-        lines += [f"Best (lowest val loss): **{top['point']}**, val loss {top['val_loss']:.4f}", ""]
+        lowest = "highest" if direction == "maximize" else "lowest"
+        lines += [f"Best ({lowest} {objective}): **{top['point']}**, {objective} {top[objective]:.4f}", ""]
+    pictures = [name for name in [PLOT, *study.PLOTS] if (Path(sweep_dir) / name).exists()]
+    if record and pictures:
+        lines += ["Pictures: " + ", ".join(f"[{name}]({name})" for name in pictures), ""]
     header = list(table[0]) if table else ["point"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
@@ -120,8 +138,8 @@ def markdown(sweep_dir: Path, table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(sweep_dir: Path) -> list[dict]:
-    """Regenerate sweep.csv, summary.md and sweep.png; returns the table."""
+def write(sweep_dir: Path, picture: bool = True) -> list[dict]:
+    """Regenerate sweep.csv, summary.md and (`picture`) sweep.png; returns the table."""
     sweep_dir = Path(sweep_dir)
     table = rows(sweep_dir)
     buffer = io.StringIO()
@@ -131,7 +149,8 @@ def write(sweep_dir: Path) -> list[dict]:
         writer.writerows(table)
     write_atomic(sweep_dir / CSV, buffer.getvalue())
     write_atomic(sweep_dir / MARKDOWN, markdown(sweep_dir, table))
-    plot(sweep_dir, table)
+    if picture:
+        plot(sweep_dir, table)
     return table
 
 
@@ -166,7 +185,7 @@ def plot(sweep_dir: Path, table: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     keys = swept_keys(rundir.sweep_points(sweep_dir))
-    grid = 0 < len(keys) <= 2
+    grid = 0 < len(keys) <= 2 and not study_record(sweep_dir)  # a study's sampled values make no grid: Optuna draws it
     fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 7, 4.8), squeeze=False)
     curves = axes[0][0]
     for r in table:

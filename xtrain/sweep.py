@@ -73,20 +73,22 @@ def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str]], o
                 first_num: int = 0, parallel: int = 1) -> list[Point]:
     """Every point's typed config and run dir (`parallel`: points run at once, sharing this machine's GPUs);
     a bad point is a ConfigError that names it."""
-    points = []
-    for i, (overrides, swept) in enumerate(zip(job_overrides, swept_overrides(job_overrides))):
-        num = first_num + i
-        name = point_dir_name(num, swept)
-        try:
-            container = compose(list(overrides))
-            container["run_dir"] = str(sweep_dir / name)
-            cfg = backends.resolve(config.from_container(container), parallel)
-        except ConfigError as err:
-            raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
-        except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
-            raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, config.setting_names())}") from None
-        points.append(Point(num, swept, cfg))
-    return points
+    return [plan_point(first_num + i, overrides, swept, compose, sweep_dir, parallel)
+            for i, (overrides, swept) in enumerate(zip(job_overrides, swept_overrides(job_overrides)))]
+
+
+def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callable[[list[str]], object],
+               sweep_dir: Path, parallel: int = 1) -> Point:
+    """One point's typed config, its run dir named by its number and `swept`; a ConfigError names it."""
+    try:
+        container = compose(list(overrides))
+        container["run_dir"] = str(sweep_dir / point_dir_name(num, swept))
+        cfg = backends.resolve(config.from_container(container), parallel)
+    except ConfigError as err:
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
+    except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, config.setting_names())}") from None
+    return Point(num, swept, cfg)
 
 
 def completed(path: Path, cfg: RunConfig) -> bool:
@@ -117,6 +119,15 @@ def _diff(a: dict, b: dict, prefix: str = ""):
             yield f"{prefix}{key}", x, y
 
 
+def check_point(point: Point, backend):
+    """Every check of a point before its run dir is written: the model's facts. A ConfigError names the point."""
+    try:
+        backend.check(point.cfg)
+        return launch.preflight(point.cfg)
+    except ConfigError as err:
+        raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
+
+
 def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
     """Validate every point and write its run dir; the points still to run. Nothing starts if one is bad."""
     todo = []  # (point, its model facts)
@@ -129,11 +140,9 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
                 if completed(point.path, point.cfg):
                     continue
             rundir.check_free(point.cfg)
-            backend.check(point.cfg)
-            facts = launch.preflight(point.cfg)
         except ConfigError as err:
             raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
-        todo.append((point, facts))
+        todo.append((point, check_point(point, backend)))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     rundir.add_sweep_points(sweep_dir, points)
     for point, facts in todo:

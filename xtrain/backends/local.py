@@ -100,39 +100,45 @@ def run_recorded(cfg: RunConfig, path: Path) -> dict:
 # ---------------------------------------------------------------- a sweep's points
 
 
-def check_points(points: list[Point], *, n_jobs: int = 1) -> None:
-    check_parallel(points, n_jobs, hardware.visible_gpus() if n_jobs > 1 else 0)
+def check_points(points: list[Point], *, n_jobs: int = 1, setting: str = "hydra.launcher.n_jobs") -> None:
+    check_parallel(points, n_jobs, hardware.visible_gpus() if n_jobs > 1 else 0, setting)
 
 
-def check_parallel(points: list[Point], n_jobs: int, gpus: int) -> None:
-    """With GPUs, N points at once each get gpus // N of them: refuse what would not fit (never run on fewer)."""
+def check_parallel(points: list[Point], n_jobs: int, gpus: int, setting: str = "hydra.launcher.n_jobs") -> None:
+    """With GPUs, N points at once each get gpus // N of them: refuse what would not fit (never run on fewer).
+    `setting`: where N comes from (a study's is hydra.sweeper.n_jobs)."""
     if n_jobs < 1:
-        raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: must be >= 1")
+        raise ConfigError(f"{setting}={n_jobs}: must be >= 1")
     if n_jobs == 1 or not gpus:
         return
     if n_jobs > gpus:
-        raise ConfigError(f"hydra.launcher.n_jobs={n_jobs}: this machine has {gpus} GPU(s); "
-                          f"run at most {gpus} points at once")
+        raise ConfigError(f"{setting}={n_jobs}: this machine has {gpus} GPU(s); run at most {gpus} points at once")
     for point in points:
         if point.cfg.cluster.processes_per_node > gpus // n_jobs:
             raise ConfigError(
                 f"point {point.num} ({point.label}): cluster.num_processes={point.cfg.cluster.num_processes}: "
-                f"with hydra.launcher.n_jobs={n_jobs} each point gets {gpus // n_jobs} of the {gpus} GPUs; "
-                f"set cluster.num_processes<={gpus // n_jobs} or lower hydra.launcher.n_jobs"
+                f"with {setting}={n_jobs} each point gets {gpus // n_jobs} of the {gpus} GPUs; "
+                f"set cluster.num_processes<={gpus // n_jobs} or lower {setting}"
             )
 
 
-def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], None], *, n_jobs: int = 1) -> bool:
+def run_points(points: list[Point] | Callable[[], Point | None], sweep_dir: Path, on_end: Callable[[Point], None], *,
+               n_jobs: int = 1) -> bool:
     """Run already-written points, `on_end` each as it ends (its outcome is in its result.json). A point that
-    fails is recorded and the others go on; a signal to this driver stops them (KeyboardInterrupt)."""
+    fails is recorded and the others go on; a signal to this driver stops them (KeyboardInterrupt). `points`
+    may be a source instead, asked for the next point whenever a slot is free (None: none now; a study's)."""
     if n_jobs > 1:
         log.info("%d points at a time", n_jobs)
     # What is alive now (modules, configs) lives as long as the sweep: leave it out of the collections
     # that free each point's memory after it (a full collection over it costs ~0.2 s a point)
     gc.freeze()
+    take = points if callable(points) else functools.partial(next, iter(points), None)
+    of = "" if callable(points) else f"/{len(points)}"
     if n_jobs == 1:
-        for i, point in enumerate(points, 1):
-            log.info("point %d (%d/%d): %s", point.num, i, len(points), point.label)
+        i = 0
+        while (point := take()) is not None:
+            i += 1
+            log.info("point %d (%d%s): %s", point.num, i, of, point.label)
             try:
                 run_in_driver(point)
             except Exception as err:  # recorded in its result.json; the sweep goes on, unless stopped
@@ -141,7 +147,7 @@ def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], N
             on_end(point)
     else:
         with stopping.on(stopping.GRACEFUL):
-            _run_parallel(points, on_end, n_jobs)
+            _run_parallel(take, on_end, n_jobs)
     return True
 
 
@@ -199,24 +205,37 @@ def start_in_slot(point: Point, slot: dict) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=env, preexec_fn=preexec, start_new_session=True)
 
 
-def _run_parallel(points: list[Point], on_end: Callable[[Point], None], n_jobs: int) -> None:
-    queue, free, running = list(points), _slots(n_jobs), {}
+def _run_parallel(take: Callable[[], Point | None], on_end: Callable[[Point], None], n_jobs: int) -> None:
+    """Each free slot gets the next point as soon as it is free; until `take` has none and none runs."""
+    free, running = _slots(n_jobs), {}
+    exiting: list[subprocess.Popen] = []  # points that ended, their processes still shutting down
     forwarded = False
     try:
-        while queue or running:
+        while True:
             if stopping.requested() and not forwarded:  # each running point stops at a step boundary
-                queue, forwarded = [], True
+                forwarded = True
                 for proc in running:
                     proc.send_signal(signal.SIGTERM)
-            while queue and free:
-                point, slot = queue.pop(0), free.pop(0)
+            more = not forwarded
+            while more and free:
+                point = take()
+                if point is None:
+                    more = False
+                    break
+                slot = free.pop(0)
                 log.info("point %d started (%s): %s", point.num, slot, point.label)
                 running[start_in_slot(point, slot)] = (point, slot)
-            time.sleep(0.2)
-            for proc in [p for p in running if p.poll() is not None]:
+            if not running:
+                break
+            time.sleep(0.05)  # a slot's idle time between points: this, and asking, composing and writing the next
+            exiting = [p for p in exiting if p.poll() is None]
+            for proc in [p for p in running if p.poll() is not None or trained(running[p][0])]:
                 point, slot = running.pop(proc)
                 free.append(slot)
+                exiting.append(proc)
                 on_end(point)
+        for proc in exiting:
+            proc.wait()
         if forwarded:
             raise KeyboardInterrupt
     except KeyboardInterrupt:
@@ -224,6 +243,12 @@ def _run_parallel(points: list[Point], on_end: Callable[[Point], None], n_jobs: 
             multiprocess.stop_tree(proc)
             rundir.record_end(point.path, rundir.Status.interrupted, "sweep interrupted")
         raise
+
+
+def trained(point: Point) -> bool:
+    """Its run recorded how it ended (completed, or pruned): the slot is free while its process exits (~1.5 s
+    of interpreter and library shutdown, which the next point need not wait for)."""
+    return rundir.read_result(point.path).get("status") in (rundir.Status.completed, rundir.Status.pruned)
 
 
 def main() -> None:

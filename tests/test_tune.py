@@ -1,0 +1,246 @@
+"""Studies through the real CLI (`python -m xtrain -m hydra/sweeper=xtrain_optuna ...`): trials pruned at a step
+boundary from inside training, two at a time without a batch barrier, a killed study resumed with its running
+trial continued from its checkpoint, and every bad input refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (REPO, assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain,
+                      xtrain_in_process)
+
+STUDY = ["hydra/sweeper=xtrain_optuna", "hydra.sweeper.seed=0"]
+STEPS = ["trainer.max_steps=30", "trainer.warmup_steps=2", "trainer.log_every=5", "trainer.eval_every=5",
+         "trainer.save_every=5"]
+
+
+def study_trials(sweep_dir: Path) -> list:
+    import optuna
+
+    from xtrain import study
+
+    return optuna.load_study(study_name=sweep_dir.name, storage=study.open_storage(str(sweep_dir / study.JOURNAL))).trials
+
+
+def point_dirs(sweep_dir: Path) -> list[Path]:
+    return [sweep_dir / p["dir"] for p in json.loads((sweep_dir / "sweep.json").read_text())["points"]]
+
+
+@pytest.fixture(scope="module")
+def pruned_study(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """8 trials over a learning rate range whose top end diverges; the median pruner after 2 finished trials."""
+    sweep_dir = tmp_path_factory.mktemp("study") / "lr"
+    proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=8",
+                      "hydra.sweeper.pruner_settings.n_startup_trials=2", "hydra.sweeper.pruner_settings.n_warmup_steps=10",
+                      "trainer.lr=tag(log,interval(1e-4,3.0))", *STEPS)
+    return sweep_dir, proc
+
+
+def test_bad_trials_are_pruned_at_a_step_boundary_with_a_checkpoint(pruned_study):
+    sweep_dir, _ = pruned_study
+    trials = study_trials(sweep_dir)
+    assert len(trials) == 8
+    states = {t.number: t.state.name for t in trials}
+    pruned = [p for p in point_dirs(sweep_dir) if read_result(p)["status"] == "pruned"]
+    assert pruned, states
+    for path in pruned:
+        result = read_result(path)
+        number = int(path.name.split("_")[0])
+        assert states[number] == "PRUNED"
+        stop = result["stop"]["step"]
+        assert 10 <= stop < 30 and result["steps"] == stop and stop % 5 == 0  # after the warm-up, at an eval
+        assert (path / "checkpoints" / f"step_{stop:08d}" / "xtrain_state.json").exists()
+        assert not (path / "model").exists()
+        # what the trial reported is what it evaluated, step by step, up to the step it was pruned at
+        evals = {r["step"]: r["val/loss"] for r in read_metrics(path) if "val/loss" in r and r["step"] > 0}
+        assert trials[number].intermediate_values == pytest.approx(evals)
+        assert max(evals) == stop
+    for path in point_dirs(sweep_dir):
+        result = read_result(path)
+        number = int(path.name.split("_")[0])
+        expected = {"completed": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}[result["status"]]
+        assert states[number] == expected
+        if expected == "COMPLETE":
+            assert trials[number].value == result["val_loss"] and result["steps"] == 30
+
+
+def test_the_study_marks_the_best_trial_and_draws_its_pictures(pruned_study):
+    import matplotlib.image
+
+    sweep_dir, proc = pruned_study
+    record = json.loads((sweep_dir / "study.json").read_text())
+    completed = {p.name: read_result(p)["val_loss"] for p in point_dirs(sweep_dir) if read_result(p)["status"] == "completed"}
+    best = min(completed, key=completed.get)
+    assert record["best"]["point"] == best and record["best"]["value"] == completed[best]
+    assert f"best trial {record['best']['trial']}" in proc.stdout
+    summary = (sweep_dir / "summary.md").read_text()
+    assert f"**{best}** (best)" in summary and "pruned" in summary and "8 trials; minimize val_loss" in summary
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and "_lr=" in line]
+    assert len(rows) == 8
+    for name in ("sweep.png", "history.png", "importances.png", "parallel_coordinate.png", "slice.png",
+                 "intermediate_values.png"):
+        image = matplotlib.image.imread(sweep_dir / name)
+        assert image.shape[0] > 300 and image.shape[1] > 500 and image.std() > 0.01, name
+    status = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
+                            cwd=REPO, check=True).stdout
+    assert "study lr: 8 of 8 trials asked" in status and f"best: {best}" in status
+
+
+def test_hyperband_prunes_at_its_rungs(tmp_path):
+    sweep_dir = tmp_path / "hyperband"
+    run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=6", "hydra.sweeper.pruner=hyperband",
+               "hydra.sweeper.pruner_settings.min_resource=5", "hydra.sweeper.pruner_settings.max_resource=30",
+               "hydra.sweeper.pruner_settings.reduction_factor=3", "trainer.lr=tag(log,interval(1e-4,3.0))", *STEPS)
+    steps = {p.name: read_result(p)["steps"] for p in point_dirs(sweep_dir) if read_result(p)["status"] == "pruned"}
+    assert steps and set(steps.values()) <= {5, 15}, steps  # min_resource x reduction_factor^k
+    assert sum(t.state.name == "PRUNED" for t in study_trials(sweep_dir)) == len(steps)
+
+
+def test_two_jobs_keep_two_trials_running_until_the_last_is_asked(tmp_path):
+    sweep_dir = tmp_path / "parallel"
+    run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=5", "hydra.sweeper.n_jobs=2",
+               "hydra.sweeper.pruner=none", "trainer.lr=tag(log,interval(1e-3,1e-1))", "trainer.max_steps=10",
+               "trainer.eval_every=5", "trainer.log_every=5")
+    spans = []
+    for path in point_dirs(sweep_dir):
+        result = read_result(path)
+        start = result["first_step_at"] - result["time_to_first_step_s"]  # the point's process started
+        spans.append((start, start + result["wall_time_s"]))
+    spans.sort()
+    assert len(spans) == 5
+    # at most two at once, and each of the 3 trials after the first two started as soon as a slot was free
+    for i, (start, _) in enumerate(spans[2:], 2):
+        running = [s for s in spans[:i] if s[1] > start + 0.5]
+        assert len(running) <= 1, spans
+        freed = sorted(end for _, end in spans[:i])[i - 2]  # the slot this one took
+        assert start - freed < 3.0, f"trial {i} started {start - freed:.2f} s after a slot was free"
+
+
+def test_a_killed_study_continues_its_running_trial_from_its_checkpoint(tmp_path):
+    sweep_dir = tmp_path / "killed"
+    args = ["-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner=none",
+            "hydra.sweeper.sampler=random", "trainer.lr=tag(log,interval(1e-3,1e-1))", *STEPS]
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", *args], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not list(sweep_dir.glob("1_*/checkpoints/step_00000010/xtrain_state.json")) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    [second] = sweep_dir.glob("1_*")
+    assert read_result(second)["status"] == "running"
+    assert [t.state.name for t in study_trials(sweep_dir)] == ["COMPLETE", "RUNNING"]
+    status = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
+                            cwd=REPO, check=True).stdout
+    assert "study killed: 2 of 3 trials asked (1 complete, 1 running)" in status
+
+    run_xtrain(*args, "resume=auto")
+    trials = study_trials(sweep_dir)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3
+    assert len({t.params["trainer.lr"] for t in trials}) == 3  # the resumed sampler did not draw trial 0's again
+    restarts = read_result(second)["restarts"]
+    assert len(restarts) == 1 and restarts[0]["at_step"] >= 10
+    assert trials[1].value == read_result(second)["val_loss"]
+
+    # the continued trial is the run its parameters give unbroken
+    lr = trials[1].params["trainer.lr"]
+    unbroken = tmp_path / "unbroken"
+    run_xtrain(f"run_dir={unbroken}", f"trainer.lr={lr!r}", *STEPS)
+    assert_equal_weights(second, unbroken)
+
+
+LR = "trainer.lr=interval(1e-4,1e-2)"
+BAD = [
+    ([LR, "hydra.sweeper.sampler=annealing"], "hydra.sweeper.sampler=annealing: not a sampler; choose one of tpe"),
+    ([LR, "hydra.sweeper.pruner=early"], "hydra.sweeper.pruner=early: not a pruner; choose one of median"),
+    ([LR, "hydra.sweeper.pruner_settings.min_resource=2"], "MedianPruner takes no setting min_resource"),
+    ([LR, "hydra.sweeper.n_trials=0"], "hydra.sweeper.n_trials=0: must be >= 1"),
+    ([LR, "hydra.sweeper.direction=down"], "hydra.sweeper.direction=down: must be one of minimize, maximize"),
+    ([LR, "hydra.sweeper.objective=accuracy"], "hydra.sweeper.objective=accuracy: must be one of val_loss"),
+    ([LR, "hydra.sweeper.storage=sqlite:////no/such/dir/study.db"],
+     "hydra.sweeper.storage=sqlite:////no/such/dir/study.db: cannot be opened"),
+    (["trainer.warmup=interval(1,2)"],
+     "trainer.warmup names no setting of xtrain's run config; did you mean trainer.warmup_steps?"),
+    (["+hydra.sweeper.params.trainer.batch_size='choice(8,'"],
+     "hydra.sweeper.params: 'trainer.batch_size=choice(8,' does not parse"),
+    (["trainer.batch_size=choice(8,0)"],
+     "the search space's corner trainer.batch_size=0 cannot run: trainer.batch_size=0: must be > 0"),
+    (["+hydra.sweeper.params.trainer.lr=1e-3"], "hydra.sweeper.params: no search space"),
+    ([LR, "cluster=slurm"], "hydra/sweeper=xtrain_optuna with cluster=slurm: not built yet"),
+]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[b[0][-1].split("=")[0] for b in BAD])
+def test_bad_study_input_is_one_line_and_writes_nothing(tmp_path, bad):
+    overrides, expected = bad
+    proc = xtrain_in_process("-m", f"run_dir={tmp_path / 'study'}", *STUDY, *overrides, check=False)
+    assert_one_line_error(proc, expected)
+    assert not (tmp_path / "study").exists()
+
+
+def test_a_study_over_a_grid_sweeps_dir_is_refused(tmp_path):
+    sweep_dir = tmp_path / "grid"
+    sweep_dir.mkdir()
+    (sweep_dir / "sweep.json").write_text('{"points": []}\n')
+    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", *STUDY, "trainer.lr=interval(1e-4,1e-2)", "resume=auto",
+                             check=False)
+    assert_one_line_error(proc, f"run_dir={sweep_dir}: holds a grid sweep, not a study")
+
+
+def test_the_search_space_takes_hydra_optuna_sweepers_syntax():
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    from xtrain import search_space
+
+    space = search_space.parse(["trainer.lr=tag(log,interval(1e-5,1e-2))", "trainer.batch_size=choice(8,16,32)",
+                                "model.n_layer=range(2,8,2)", "trainer.warmup_steps=tag(int,interval(0,10))",
+                                "trainer.max_steps=50"])
+    assert space.distributions == {
+        "trainer.lr": FloatDistribution(1e-5, 1e-2, log=True),
+        "trainer.batch_size": CategoricalDistribution([8, 16, 32]),
+        "model.n_layer": IntDistribution(2, 6, step=2),  # Hydra's range: the stop excluded
+        "trainer.warmup_steps": IntDistribution(0, 10),
+    }
+    assert space.fixed == ["trainer.max_steps=50"]
+    corners = search_space.corners(space)
+    assert len(corners) == 2 * 3 * 2 * 2
+    assert ["trainer.lr=1e-05", "trainer.batch_size=8", "model.n_layer=2", "trainer.warmup_steps=0"] in corners
+
+
+def test_every_rank_of_a_two_process_trial_stops_where_the_pruner_said(tmp_path):
+    """Random sampler, seed 0, draws lr 1e-6, 0.01, 1e-6: the third trial repeats the first (bad) one's curve,
+    above the median of the two before it at the first eval, and is pruned there."""
+    sweep_dir = tmp_path / "ranks"
+    run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler=random",
+               "hydra.sweeper.pruner_settings.n_startup_trials=1", "trainer.lr=choice(0.01,1e-6)",
+               "cluster.num_processes=2", "trainer.max_steps=15", "trainer.warmup_steps=0", "trainer.eval_every=5",
+               "trainer.log_every=5", "trainer.save_every=15")
+    first, second, third = point_dirs(sweep_dir)
+    assert [read_result(p)["status"] for p in (first, second, third)] == ["completed", "completed", "pruned"]
+    result = read_result(third)
+    assert result["world_size"] == 2 and result["stop"]["step"] == 5 and result["stop"]["signal"] == "the pruner"
+    saved = third / "checkpoints" / "step_00000005"
+    assert {"random_states_0.pkl", "random_states_1.pkl"} <= {p.name for p in saved.iterdir()}  # both ranks saved it
+    assert [t.state.name for t in study_trials(sweep_dir)] == ["COMPLETE", "COMPLETE", "PRUNED"]
+
+
+def test_a_failed_trial_is_retried_then_told_failed(tmp_path):
+    sweep_dir = tmp_path / "retried"
+    proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=1", "hydra.sweeper.max_retries=1",
+                      "trainer.lr=interval(50.0,60.0)", "trainer.warmup_steps=0", "trainer.max_steps=20", check=False)
+    assert proc.returncode == 1 and "all 1 trials failed" in proc.stderr
+    [trial] = study_trials(sweep_dir)
+    assert trial.state.name == "FAIL"
+    assert len(trial.user_attrs["retries"]) == 1 and "training diverged" in trial.user_attrs["retries"][0]
+    assert proc.stdout.count("retry 1 of 1") == 1
+    [point] = point_dirs(sweep_dir)
+    assert read_result(point)["status"] == "failed"
