@@ -175,7 +175,6 @@ BAD = [
     (["trainer.batch_size=choice(8,0)"],
      "the search space's corner trainer.batch_size=0 cannot run: trainer.batch_size=0: must be > 0"),
     (["+hydra.sweeper.params.trainer.lr=1e-3"], "hydra.sweeper.params: no search space"),
-    ([LR, "cluster=slurm"], "hydra/sweeper=xtrain_optuna with cluster=slurm: not built yet"),
 ]
 
 

@@ -43,6 +43,8 @@ LOGS = "logs"
 ERRORS_DIR = Path(LOGS) / "errors"
 SLURM_FILE = "slurm.json"
 SWEEP_FILE = "sweep.json"
+WORKERS = "workers"  # a study's SLURM workers' own dirs, in its sweep dir
+WORKER_TRIAL = "current.json"  # in a worker's dir: its SLURM array and the trial it runs
 
 
 class Status(str, Enum):

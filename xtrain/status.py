@@ -6,6 +6,7 @@ For a run dir: its status, steps, losses and throughput. Works on a running or k
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ def sweep_status(sweep_dir: Path) -> str:
         told = ", ".join(f"{n} {state}" for state, n in sorted(record["trials"].items()))
         lines.append(f"study {record['study_name']}: {sum(record['trials'].values())} of {record['n_trials']} trials "
                      f"asked ({told}); pruner {record['pruner']}")
+    lines += worker_lines(sweep_dir)
     if top:
         lines.append(f"best: {top['point']} ({objective} {top[objective]:.4f})")
     lines.append(f"files: {sweep_dir / summary.MARKDOWN}, {sweep_dir / summary.CSV}, {sweep_dir / summary.PLOT}")
@@ -63,6 +65,18 @@ def slurm_state(run_dir: Path) -> str | None:
     if state.split()[0] not in monitor.ACTIVE and not state.startswith("unknown"):  # (unknown: never settled)
         monitor.settle(job, state)
     return f"job {job.job_id}: {state}"
+
+
+def worker_lines(sweep_dir: Path) -> list[str]:
+    """A study's SLURM workers: each one's job and the trial it runs (or ran last)."""
+    lines = []
+    for path in sorted((sweep_dir / rundir.WORKERS).glob("*"), key=lambda p: int(p.name) if p.name.isdigit() else -1):
+        job = slurm_state(path)
+        trial = path / rundir.WORKER_TRIAL
+        trial = f", trial {json.loads(trial.read_text())['trial']}" if trial.exists() else ""
+        if job:
+            lines.append(f"worker {path.name}: {job}{trial}")
+    return lines
 
 
 def run_status(run_dir: Path) -> str:

@@ -16,6 +16,7 @@ until `n_trials`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -28,6 +29,7 @@ from xtrain.run_dir import Point, Status
 
 log = logging.getLogger("xtrain")
 
+AGAIN = "again"  # the study's user attribute: trials to run before new ones are asked
 TOLD = {Status.completed: "COMPLETE", Status.pruned: "PRUNED", Status.failed: "FAIL"}
 
 
@@ -36,7 +38,9 @@ class Study:
                  compose: Callable[[list[str]], dict], backend, resume: bool) -> None:
         self.s, self.space, self.sweep_dir, self.compose, self.backend = settings, space, sweep_dir, compose, backend
         self.resume = resume
-        self.again: collections.deque[Point] = collections.deque()  # points to run before asking new trials
+        self.on_slurm = backend.__name__.endswith(".slurm")
+        self.corners: list[Point] = []
+        self.claiming = contextlib.nullcontext  # (a lock where several workers ask: study_workers.py)
         self.optuna = None
 
     # ------------------------------------------------------------ before anything runs
@@ -59,7 +63,9 @@ class Study:
             except ConfigError as err:
                 raise ConfigError(f"the search space's corner {' '.join(swept)} cannot run: "
                                   f"{str(err).split(': ', 1)[-1]}") from None
-        self.backend.check_points(points, n_jobs=self.s.n_jobs, setting="hydra.sweeper.n_jobs")
+        self.corners = points
+        if not self.on_slurm:
+            self.backend.check_points(points, n_jobs=self.s.n_jobs, setting="hydra.sweeper.n_jobs")
         log.info("study: %d trials, %s %s, sampler %s, pruner %s; the space's %d corner(s) checked",
                  self.s.n_trials, self.s.direction, self.s.objective, self.s.sampler["_target_"].split(".")[-1],
                  self.s.pruner, len(corners))
@@ -67,23 +73,30 @@ class Study:
     def plan(self, num: int, swept: list[str], probe: bool = False) -> Point:
         """A trial's point: `swept` as sampled; its name and label with 4 significant digits."""
         overrides = [*self.space.fixed, *swept, "resume=auto"]
-        point = sweep.plan_point(num, overrides, [short(o) for o in swept], self.compose, self.sweep_dir, self.s.n_jobs)
+        parallel = 1 if self.on_slurm else self.s.n_jobs  # (on SLURM each trial has an allocation of its own)
+        point = sweep.plan_point(num, overrides, [short(o) for o in swept], self.compose, self.sweep_dir, parallel)
         if probe:  # never written: a name no trial has
             point.cfg.run_dir = str(self.sweep_dir / ".corner")
         return point
 
     # ------------------------------------------------------------ the study
 
-    def open(self) -> None:
+    def open(self, worker: int = 0) -> None:
+        """The study, created or loaded; resumed, its running trials queued to continue. Each of a study's
+        SLURM `worker`s opens it with a sampler of its own."""
         spec = self.s.sampler
-        if self.resume and "seed" in spec and "built" not in spec:
-            # a sampler seeded as at the start would draw the first trials' parameters again
+        if (self.resume or worker) and "seed" in spec and "built" not in spec:
+            # a sampler seeded as at the start (or as another worker's) would draw the same parameters again
+            import numpy as np
+
             asked = len(study.load(self.s).get_trials(deepcopy=False)) if self.held_study() else 0
-            spec = {**spec, "seed": spec["seed"] + asked}
+            spec = {**spec, "seed": int(np.random.SeedSequence([spec["seed"], asked, worker]).generate_state(1)[0])}
         sampler = study.make_sampler(spec)
-        if self.resume and "built" in spec:
+        if (self.resume or worker) and "built" in spec:
             sampler.reseed_rng()
         self.optuna = study.load(self.s, sampler=sampler)
+        if worker:
+            return
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         rundir.add_sweep_points(self.sweep_dir, [])  # sweep.json: the trials join it as they are asked
         if self.resume:
@@ -93,39 +106,54 @@ class Study:
         """Trials that were running when the study stopped: continue their points (or tell how they ended)."""
         import optuna
 
+        self.optuna.set_user_attr(AGAIN, [])
         for trial in self.optuna.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             name = trial.user_attrs.get("point")
             path = self.sweep_dir / name if name else None
             if path is None or not (path / rundir.RUN_CONFIG).exists():  # asked, never written: never ran
                 self.optuna.tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 continue
-            point = Point(trial.number, trial.user_attrs["overrides"], config.load(str(path / rundir.RUN_CONFIG)))
+            point = self.point_of(trial.number)
             status = rundir.read_result(path).get("status")
             if status in (Status.completed, Status.pruned):
                 self.tell(point)
             else:
                 log.info("trial %d continues from its checkpoint: %s", trial.number, point.label)
-                self.again.append(point)
+                self.queue_again(point.num)
+
+    def point_of(self, number: int) -> Point:
+        """A trial's point as written: its run dir's run.yaml."""
+        attrs = self.optuna.get_trials(deepcopy=False)[number].user_attrs
+        return Point(number, attrs["overrides"], config.load(str(self.sweep_dir / attrs["point"] / rundir.RUN_CONFIG)))
+
+    def queue_again(self, number: int) -> None:
+        """A trial to run (continue, retry) before new ones are asked: kept in the study, for every worker."""
+        self.optuna.set_user_attr(AGAIN, [*self.optuna.user_attrs.get(AGAIN, []), number])
 
     def next_point(self) -> Point | None:
         """A point to retry or continue, or a new trial's, written and ready; None when every trial is asked."""
-        if self.again:
-            return self.again.popleft()
-        while len(self.optuna.get_trials(deepcopy=False)) < self.s.n_trials:
-            trial = self.optuna.ask(fixed_distributions=self.space.distributions)
-            swept = [search_space.as_override(k, trial.params[k]) for k in self.space.distributions]
-            try:
-                point = self.plan(trial.number, swept)
-                sweep.prepare_all([point], self.sweep_dir, self.backend)
-            except ConfigError as err:  # this trial's point only (the corners ran): the study goes on
-                log.info("trial %d cannot run: %s", trial.number, err)
-                self.optuna.tell(trial.number, state=study_state("FAIL"))
-                continue
-            trial.set_user_attr("point", point.path.name)
-            trial.set_user_attr("overrides", point.swept)
-            study.write_trial_file(point.path, self.s, trial._trial_id, trial.number)
-            return point
-        return None
+        with self.claiming():  # by one worker at a time: what to run next, a new trial asked, sweep.json
+            while True:
+                again = self.optuna.user_attrs.get(AGAIN, [])
+                if again:
+                    self.optuna.set_user_attr(AGAIN, again[1:])
+                    return self.point_of(again[0])
+                if len(self.optuna.get_trials(deepcopy=False)) >= self.s.n_trials:
+                    return None
+                trial = self.optuna.ask(fixed_distributions=self.space.distributions)
+                swept = [search_space.as_override(k, trial.params[k]) for k in self.space.distributions]
+                try:
+                    point = self.plan(trial.number, swept)
+                    sweep.prepare_all([point], self.sweep_dir, self.backend)
+                except ConfigError as err:  # this trial's point only (the corners ran): the study goes on
+                    log.info("trial %d cannot run: %s", trial.number, err)
+                    self.optuna.tell(trial.number, state=study_state("FAIL"))
+                    continue
+                trial.set_user_attr("point", point.path.name)
+                trial.set_user_attr("overrides", point.swept)
+                study.write_trial_file(point.path, self.s, trial._trial_id, trial.number)
+                self.write_record()  # (xtrain.status counts the running trial)
+                return point
 
     def on_end(self, point: Point) -> None:
         result = rundir.read_result(point.path)
@@ -137,7 +165,7 @@ class Study:
                 log.info("trial %d failed (%s); retry %d of %d from its newest checkpoint", point.num,
                          result.get("error"), len(retries) + 1, self.s.max_retries)
                 trial.set_user_attr("retries", [*retries, result.get("error")])
-                self.again.append(point)
+                self.queue_again(point.num)
                 return
         if status in TOLD:
             self.tell(point)
@@ -161,6 +189,11 @@ class Study:
     # ------------------------------------------------------------ what it leaves
 
     def write_summary(self, picture: bool = True) -> None:
+        self.write_record()
+        summary.write(self.sweep_dir, picture)
+
+    def write_record(self) -> None:
+        """study.json: the settings, how many trials are in each state, the best so far."""
         best = None
         try:
             trial = self.optuna.best_trial
@@ -171,9 +204,9 @@ class Study:
         counts = collections.Counter(t.state.name.lower() for t in self.optuna.get_trials(deepcopy=False))
         record = {**study.public(self.s), "trials": dict(counts), "best": best, "space": list(self.space.distributions)}
         write_atomic(self.sweep_dir / study.STUDY_FILE, json.dumps(record, indent=2, default=str) + "\n")
-        summary.write(self.sweep_dir, picture)
 
     def run(self) -> None:
+        """The trials on this machine, `n_jobs` at a time (on SLURM: study_workers.run)."""
         log.info("study %s in %s (%s)", self.s.study_name, self.sweep_dir, self.s.storage)
         self.write_summary()
         try:
@@ -181,8 +214,16 @@ class Study:
         except KeyboardInterrupt:
             self.write_summary()
             raise SweepFailed([f"study interrupted; continue it with run_dir={self.sweep_dir} resume=auto"], 130) from None
+        self.finish()
+        self.outcome()
+
+    def finish(self) -> None:
+        """Optuna's pictures and the summary, once no trial is left to ask."""
         plots(self.optuna, self.sweep_dir)
         self.write_summary()
+
+    def outcome(self) -> None:
+        """The study's last line; SweepFailed where every trial failed."""
         trials = self.optuna.get_trials(deepcopy=False)
         failed = [t for t in trials if t.state.name == "FAIL"]
         best = json.loads((self.sweep_dir / study.STUDY_FILE).read_text())["best"]

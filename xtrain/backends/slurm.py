@@ -112,3 +112,27 @@ def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], N
         raise SweepFailed([f"cancelled SLURM job(s) {ids} (Ctrl-C); continue the sweep with run_dir={sweep_dir} "
                            "resume=auto"], 130) from None
     return True
+
+
+def run_workers(worker: Callable[[str], dict], cfg: RunConfig, sweep_dir: Path, count: int) -> bool:
+    """A study's workers: one job array of `count` tasks, each `worker(sweep_dir/workers/<i>)` in an allocation
+    of `cfg`'s request, followed to their end; False if left queued (cluster.wait=false). Ctrl-C cancels
+    them: SweepFailed."""
+    paths = [sweep_dir / rundir.WORKERS / str(i) for i in range(count)]
+    for path in paths:
+        path.mkdir(parents=True, exist_ok=True)
+    jobs = submit([({**job_parameters(cfg), "array_parallelism": count}, paths)], sweep_dir / LOGS, function=worker)
+    for i, job in enumerate(jobs):
+        job.label = f"worker {i}"
+    log.info("study: %d worker(s) as SLURM job %s", count, jobs[0].job_id.split("_")[0])
+    if not cfg.cluster.wait:
+        log.info("not waiting (cluster.wait=false); see it with: python -m xtrain.status %s", sweep_dir)
+        return False
+    try:
+        follow(jobs, lambda job, result: log.info("%s ended %s%s", job.label, result.get("status"),
+                                                  f": {result['error']}" if result.get("error") else ""))
+    except KeyboardInterrupt:
+        cancel(jobs)
+        raise SweepFailed([f"cancelled SLURM job {jobs[0].job_id.split('_')[0]} (Ctrl-C); continue the study with "
+                           f"run_dir={sweep_dir} resume=auto"], 130) from None
+    return True

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from xtrain.cluster_config import ClusterConfig, time_limit_minutes
 from xtrain.config import RunConfig
@@ -93,21 +94,27 @@ def check(cfg: RunConfig) -> None:
     if c.nodes > part.nodes:
         raise ConfigError(f"cluster.nodes={c.nodes}: partition {part.name} has {part.nodes} node(s); "
                           f"use cluster.nodes<={part.nodes}")
-    job = recorded_job(Path(cfg.run_dir))
-    if job is not None:
-        try:
-            live = live_states([job.job_id])
-        except Unreachable as err:
-            raise ConfigError(f"cluster=slurm: {err}; try again once the SLURM controller answers") from None
-        if job.job_id in live:
-            raise ConfigError(f"run_dir={cfg.run_dir}: SLURM job {job.job_id} is still {describe(*live[job.job_id])} "
-                              f"there; wait for it (python -m xtrain.status {cfg.run_dir}) or scancel {job.job_id}")
+    check_not_running(Path(cfg.run_dir), Path(cfg.run_dir))
     if c.gpus > part.gpus_per_node:
         raise ConfigError(f"cluster.gpus_per_node={c.gpus}: the nodes of partition {part.name} have "
                           f"{part.gpus_per_node} GPU(s); use cluster.gpus_per_node<={part.gpus_per_node}")
     if int(c.cpus_per_task) > part.cpus_per_node:
         raise ConfigError(f"cluster.cpus_per_task={c.cpus_per_task}: the nodes of partition {part.name} have "
                           f"{part.cpus_per_node} CPUs; use cluster.cpus_per_task<={part.cpus_per_node} (or all)")
+
+
+def check_not_running(path: Path, run_dir: Path) -> None:
+    """The SLURM job recorded in `path` (a run dir, a study's worker dir) has ended: else a ConfigError."""
+    job = recorded_job(path)
+    if job is None:
+        return
+    try:
+        live = live_states([job.job_id])
+    except Unreachable as err:
+        raise ConfigError(f"cluster=slurm: {err}; try again once the SLURM controller answers") from None
+    if job.job_id in live:
+        raise ConfigError(f"run_dir={run_dir}: SLURM job {job.job_id} is still {describe(*live[job.job_id])} "
+                          f"there; wait for it (python -m xtrain.status {run_dir}) or scancel {job.job_id}")
 
 
 def request_line(cfg: RunConfig) -> str:
@@ -199,15 +206,16 @@ def _sbatch_refusal(err: Exception) -> ConfigError:
     return ConfigError(f"cluster=slurm: sbatch refused the job: {message}")
 
 
-def submit(groups: list[tuple[dict, list[Path]]], folder: Path) -> list[Job]:
-    """Submit each group of run dirs (same job parameters) as one job, or one job array; record the ids."""
+def submit(groups: list[tuple[dict, list[Path]]], folder: Path, function: Callable[[str], dict] = run_node) -> list[Job]:
+    """Submit each group of run dirs (same job parameters) as one job, or one job array, each task
+    `function(its dir)` (a run's: `run_node`; a study's workers have their own); record the ids."""
     from submitit.core.utils import FailedJobError
 
     jobs = []
     for params, paths in groups:
         try:
             with contextlib.redirect_stderr(io.StringIO()), as_from_a_login_node():  # (submitit repeats sbatch's complaint)
-                submitted = executor(folder, params).map_array(run_node, [str(p) for p in paths])
+                submitted = executor(folder, params).map_array(function, [str(p) for p in paths])
         except (FailedJobError, subprocess.CalledProcessError) as err:
             cancel(jobs)  # a sweep's earlier arrays: all of it is queued, or none
             raise _sbatch_refusal(err) from None

@@ -9,6 +9,7 @@ runs it: each job on one node, through submitit.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,12 +35,9 @@ class _XtrainLauncher(Launcher):
     def runs_xtrain(self) -> bool:
         return getattr(self.task_function, "__module__", None) == "xtrain.cli"
 
-    def compose(self, overrides: list[str]) -> dict:
-        """One point's run config (the `hydra` node removed), as a plain container."""
-        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
-        with open_dict(sweep_config):
-            del sweep_config["hydra"]
-        return OmegaConf.to_container(sweep_config, resolve=True)
+    @property
+    def compose(self) -> "Composer":
+        return Composer(self.hydra_context, self.config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from xtrain import sweep
@@ -60,6 +58,24 @@ class _XtrainLauncher(Launcher):
         return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
                           status=JobStatus.COMPLETED, _return_value=sweep.final_val_loss(p.path))
                 for o, p in zip(overrides, points)]
+
+
+class Composer:
+    """One point's run config from its overrides (the `hydra` node removed), as a plain container. It travels
+    (pickled) to a SLURM node, where a study's worker composes the trials it asks for."""
+
+    def __init__(self, hydra_context: HydraContext, config: DictConfig) -> None:
+        self.hydra_context, self.config = hydra_context, config
+        self.state, self.pid = Singleton.get_state(), os.getpid()
+
+    def __call__(self, overrides: list[str]) -> dict:
+        if os.getpid() != self.pid:  # unpickled in another process: Hydra's config search path, as here
+            Singleton.set_state(self.state)
+            self.pid = os.getpid()
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(sweep_config):
+            del sweep_config["hydra"]
+        return OmegaConf.to_container(sweep_config, resolve=True)
 
 
 class LocalLauncher(_XtrainLauncher):

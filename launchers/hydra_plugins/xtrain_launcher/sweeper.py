@@ -4,8 +4,8 @@
         'trainer.lr=tag(log,interval(1e-5,1e-2))' 'trainer.batch_size=choice(8,16)'
 
 Hydra glue only: the study (asking, points, telling, resume) is `xtrain.tune`, the Optuna side `xtrain.study`,
-the search space `xtrain.search_space`. The points run on the launcher's backend (`hydra/launcher`: local,
-or SLURM with `cluster=slurm`), as a grid sweep's do. This module imports no Optuna: Hydra imports every
+the search space `xtrain.search_space`. The trials run on this machine (`n_jobs` at a time), or with
+`cluster=slurm` in `n_jobs` SLURM workers that ask for trials themselves (`xtrain.study_workers`). This module imports no Optuna: Hydra imports every
 plugin at every start.
 """
 
@@ -40,9 +40,6 @@ class OptunaSweeper(Sweeper):
 
         if not getattr(self.launcher, "runs_xtrain", False):
             raise ConfigError("hydra/sweeper=xtrain_optuna runs xtrain's own runs (python -m xtrain) only")
-        if self.launcher.cluster_kind == "slurm":
-            raise ConfigError("hydra/sweeper=xtrain_optuna with cluster=slurm: not built yet (a study runs its trials "
-                              "on this machine); drop cluster=slurm, or sweep a grid on SLURM")
         if self.launcher.options.get("n_jobs", 1) != 1:
             raise ConfigError(f"hydra.launcher.n_jobs={self.launcher.options['n_jobs']}: a study runs "
                               "hydra.sweeper.n_jobs trials at once; set that instead")
@@ -68,8 +65,15 @@ class OptunaSweeper(Sweeper):
         run = tune.Study(settings, space, self.sweep_dir, self.launcher.compose, self.launcher.backend(),
                          resume=self.config.get("resume") == "auto")
         run.check()
-        run.open()
-        run.run()
+        if run.on_slurm:  # its workers: a job array, each asking for trials and running them
+            from xtrain import study_workers
+
+            study_workers.check(run)
+            run.open()
+            study_workers.run(run)
+        else:
+            run.open()
+            run.run()
 
 
 def flat(params: dict, prefix: str = "") -> dict:

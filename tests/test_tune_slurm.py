@@ -1,0 +1,97 @@
+"""A study on the real test cluster (tests/slurm/): its trials asked and run by a job array of 2 workers, one
+worker's job requeued in the middle of a trial, which continues in its own run dir and stays one trial; and
+what a study on SLURM refuses before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, assert_equal_weights, assert_one_line_error, read_result, run_xtrain, start_xtrain
+from test_slurm import SLURM, sacct_state
+from test_slurm_requeue import LONG, every_step_once
+from test_tune import STUDY, point_dirs, study_trials
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+LR = "trainer.lr=tag(log,interval(1e-4,1e-2))"
+
+
+def running_trial(sweep_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 300) -> tuple[Path, Path]:
+    """A worker's dir and the run dir of the trial it runs, once that trial has logged `step`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for worker in sorted((sweep_dir / "workers").glob("*")):
+            try:
+                trial = json.loads((worker / "current.json").read_text())["trial"]
+                [run_dir] = sweep_dir.glob(f"{trial}_*")
+                rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            except (FileNotFoundError, ValueError):
+                continue
+            if any(r.get("step", 0) >= step for r in rows) and read_result(run_dir)["status"] == "running":
+                return worker, run_dir
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"no trial of {sweep_dir} reached step {step}")
+
+
+def test_a_study_of_two_slurm_workers_survives_a_requeue_mid_trial(tmp_path):
+    sweep_dir = tmp_path / "study"
+    proc = start_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, *SLURM, *LONG, "hydra.sweeper.n_trials=4",
+                        "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", LR)
+    worker, requeued = running_trial(sweep_dir, 12, proc)
+    job = json.loads((worker / "slurm.json").read_text())["job_id"]  # <array>_<task>: that worker only
+    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # the warning SLURM sends before a time limit
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+
+    trials = study_trials(sweep_dir)
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 4  # n_trials, however the workers were stopped
+    assert len({t.params["trainer.lr"] for t in trials}) == 4  # the two workers' samplers draw apart
+    dirs = point_dirs(sweep_dir)
+    assert sorted(p.name for p in dirs) == sorted(t.user_attrs["point"] for t in trials)
+    assert sorted(p.name for p in sweep_dir.iterdir() if p.name[0].isdigit()) == sorted(p.name for p in dirs)
+    for path in dirs:
+        result = read_result(path)
+        assert result["status"] == "completed" and every_step_once(path, 40), path
+        assert ("restarts" in result) == (path == requeued), path
+    [restart] = read_result(requeued)["restarts"]
+    assert restart["slurm_job"] == job and restart["ended"] == "requeued" and restart["steps_lost"] == 0
+    assert sacct_state(job) == "COMPLETED"
+    # both workers ran trials, and each ended once no trial was left
+    ran = [json.loads((w / "result.json").read_text()) for w in sorted((sweep_dir / "workers").glob("*"))]
+    assert [r["status"] for r in ran] == ["completed", "completed"] and all(r["trials"] for r in ran)
+    assert "worker 0 ended completed" in out and "worker 1 ended completed" in out
+    assert "study done: 4 trials; best trial" in out
+    summary = (sweep_dir / "summary.md").read_text()
+    assert "4 points: 4 completed" in summary and "(best)" in summary
+    assert all((sweep_dir / name).stat().st_size > 10_000 for name in ("history.png", "slice.png"))
+    status = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
+                            cwd=REPO, check=True).stdout
+    assert re.search(r"^worker 1: job \d+_1: COMPLETED, trial \d$", status, re.M), status
+    assert "study study: 4 of 4 trials asked (4 complete)" in status
+
+    # the requeued trial is the run its parameters give unbroken (on one CPU thread, as each worker's)
+    trial = next(t for t in trials if t.user_attrs["point"] == requeued.name)
+    unbroken = tmp_path / "unbroken"
+    run_xtrain(f"run_dir={unbroken}", f"trainer.lr={trial.params['trainer.lr']!r}", *LONG, env={"OMP_NUM_THREADS": "1"})
+    assert_equal_weights(requeued, unbroken)
+    assert trial.value == read_result(requeued)["val_loss"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["cluster.nodes=2"], "cluster.nodes=2: a study's trials run on one node each"),
+    (["cluster.cpus_per_task=choice(1,2)"], "asks SLURM for another allocation than"),
+    (["hydra.sweeper.n_jobs=0"], "hydra.sweeper.n_jobs=0: must be >= 1"),
+])
+def test_what_a_study_on_slurm_refuses_before_queueing_anything(tmp_path, overrides, expected):
+    sweep_dir = tmp_path / "refused"
+    proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, *SLURM, LR, *overrides, check=False)
+    assert_one_line_error(proc, expected)
+    assert not sweep_dir.exists()
