@@ -69,6 +69,7 @@ def test_a_study_of_two_slurm_workers_survives_a_requeue_mid_trial(tmp_path):
     assert [r["status"] for r in ran] == ["completed", "completed"] and all(r["trials"] for r in ran)
     assert "worker 0 ended completed" in out and "worker 1 ended completed" in out
     assert "study done: 4 trials; best trial" in out
+    assert len(re.findall(r"trial \d completed: val_loss \d\.\d{4} \(trainer\.lr=", out)) == 4  # each told, once
     summary = (sweep_dir / "summary.md").read_text()
     assert "4 points: 4 completed" in summary and "(best)" in summary
     assert all((sweep_dir / name).stat().st_size > 10_000 for name in ("history.png", "slice.png"))
@@ -83,6 +84,16 @@ def test_a_study_of_two_slurm_workers_survives_a_requeue_mid_trial(tmp_path):
     run_xtrain(f"run_dir={unbroken}", f"trainer.lr={trial.params['trainer.lr']!r}", *LONG, env={"OMP_NUM_THREADS": "1"})
     assert_equal_weights(requeued, unbroken)
     assert trial.value == read_result(requeued)["val_loss"]
+
+    # the same command, resumed with a larger budget: one more trial, the others kept as they were
+    proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, *SLURM, *LONG, "hydra.sweeper.n_trials=5",
+                      "hydra.sweeper.n_jobs=2", "hydra.sweeper.pruner=none", LR, "resume=auto")
+    again = study_trials(sweep_dir)
+    assert [t.state.name for t in again] == ["COMPLETE"] * 5
+    assert [t.value for t in again[:4]] == [t.value for t in trials]
+    assert re.search(r"trial 4 completed: val_loss", proc.stdout) and "study done: 5 trials" in proc.stdout
+    assert [json.loads((w / "result.json").read_text())["status"] for w in sorted((sweep_dir / "workers").glob("*"))] \
+        == ["completed", "completed"]
 
 
 @pytest.mark.parametrize("overrides, expected", [

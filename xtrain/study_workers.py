@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,9 +59,38 @@ def run(study: tune.Study) -> None:
     log.info("study %s in %s (%s)", study.s.study_name, study.sweep_dir, study.s.storage)
     study.write_summary()
     count = min(study.s.n_jobs, study.s.n_trials)
-    if slurm.run_workers(Worker(study), cfg, study.sweep_dir, count):
+    if slurm.run_workers(Worker(study), cfg, study.sweep_dir, count, tick=Progress(study)):
         study.finish()
         study.outcome()
+
+
+class Progress:
+    """On the submitting machine, every few seconds: a line for each trial the workers have told since."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, study: tune.Study) -> None:
+        self.study, self.next = study, 0.0
+        self.shown = {t.number for t in self.told()}
+
+    def told(self) -> list:
+        return [t for t in self.study.optuna.get_trials(deepcopy=False) if t.state.is_finished()]
+
+    def __call__(self) -> None:
+        if time.time() < self.next:
+            return
+        self.next = time.time() + self.EVERY_S
+        for trial in self.told():
+            if trial.number in self.shown:
+                continue
+            self.shown.add(trial.number)
+            if trial.state.name == "COMPLETE":
+                how = f"completed: {self.study.s.objective} {trial.value:.4f}"
+            elif trial.state.name == "PRUNED":
+                how = f"pruned at step {max(trial.intermediate_values, default=0)}"
+            else:
+                how = "failed"
+            log.info("trial %d %s (%s)", trial.number, how, " ".join(trial.user_attrs.get("overrides", [])))
 
 
 @contextlib.contextmanager

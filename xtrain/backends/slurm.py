@@ -114,13 +114,15 @@ def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], N
     return True
 
 
-def run_workers(worker: Callable[[str], dict], cfg: RunConfig, sweep_dir: Path, count: int) -> bool:
+def run_workers(worker: Callable[[str], dict], cfg: RunConfig, sweep_dir: Path, count: int,
+                tick: Callable[[], None] | None = None) -> bool:
     """A study's workers: one job array of `count` tasks, each `worker(sweep_dir/workers/<i>)` in an allocation
-    of `cfg`'s request, followed to their end; False if left queued (cluster.wait=false). Ctrl-C cancels
-    them: SweepFailed."""
+    of `cfg`'s request, followed to their end (`tick()` every second); False if left queued (cluster.wait=false).
+    Ctrl-C cancels them: SweepFailed."""
     paths = [sweep_dir / rundir.WORKERS / str(i) for i in range(count)]
-    for path in paths:
+    for path in paths:  # (a resumed study's: what the last array's worker recorded is not this one's)
         path.mkdir(parents=True, exist_ok=True)
+        rundir.update_result(path, {"status": rundir.Status.running.value}, fresh=True)
     jobs = submit([({**job_parameters(cfg), "array_parallelism": count}, paths)], sweep_dir / LOGS, function=worker)
     for i, job in enumerate(jobs):
         job.label = f"worker {i}"
@@ -130,7 +132,7 @@ def run_workers(worker: Callable[[str], dict], cfg: RunConfig, sweep_dir: Path, 
         return False
     try:
         follow(jobs, lambda job, result: log.info("%s ended %s%s", job.label, result.get("status"),
-                                                  f": {result['error']}" if result.get("error") else ""))
+                                                  f": {result['error']}" if result.get("error") else ""), tick=tick)
     except KeyboardInterrupt:
         cancel(jobs)
         raise SweepFailed([f"cancelled SLURM job {jobs[0].job_id.split('_')[0]} (Ctrl-C); continue the study with "

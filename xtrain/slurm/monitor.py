@@ -145,9 +145,11 @@ def settle(job: Job, state: str) -> dict:
     return rundir.update_result(path, {"status": status.value, "error": error, "slurm_state": state})
 
 
-def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | None = None) -> None:
-    """Until every job has ended: log state changes (and rank 0's lines from `tail`), `on_end` each job.
-    A controller that does not answer leaves the jobs' state unknown, never ended: one line says so."""
+def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | None = None,
+           tick: Callable[[], None] | None = None) -> None:
+    """Until every job has ended: log state changes (and rank 0's lines from `tail`), `on_end` each job,
+    `tick()` every TICK_S. A controller that does not answer leaves the jobs' state unknown, never ended:
+    one line says so."""
     waiting = {j.job_id: j for j in jobs}
     shown: dict[str, str] = {}
     echo = Tail(tail) if tail is not None else None
@@ -196,6 +198,8 @@ def follow(jobs: list[Job], on_end: Callable[[Job, dict], None], tail: Path | No
                 next_ask = time.time() + (POLL_RUNNING_S if steady else POLL_STARTING_S)
         if echo is not None:
             echo.echo_new_lines()
+        if tick is not None:
+            tick()
         if waiting:
             time.sleep(TICK_S)
 
