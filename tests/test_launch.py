@@ -126,6 +126,31 @@ def test_a_failing_rank_stops_every_worker_and_is_reported_first(tmp_path):
     assert processes_of(run_dir) == []
 
 
+HANG_AT_EXIT_ON_RANK_1 = '''
+import os, time
+if os.environ.get("RANK") == "1":
+    os._exit = lambda code: time.sleep(3600)  # the worker's last call, once training is over
+'''
+
+
+def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_stays_completed(tmp_path):
+    """Rank 1 never exits after training (injected): the driver stops the tree a minute after the run recorded
+    its end, instead of waiting on it for ever."""
+    from xtrain.multiprocess import LINGER_S
+
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(HANG_AT_EXIT_ON_RANK_1)
+    run_dir = tmp_path / "run"
+    began = time.monotonic()
+    run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN,
+               env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    assert time.monotonic() - began < LINGER_S + 120
+    assert read_result(run_dir)["status"] == "completed" and (run_dir / "model" / "model.safetensors").exists()
+    assert "its processes are still there: stopped them" in (run_dir / "logs" / "launcher-node0.log").read_text()
+    assert processes_of(run_dir) == []
+
+
 @pytest.fixture
 def started():
     """Start drivers; any still running when the test ends (a failed assertion) are stopped with their tree."""

@@ -16,8 +16,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import psutil
 
@@ -28,6 +30,8 @@ from xtrain.run_dir import ERRORS_DIR
 
 RANK0_PREFIX = "[default0]:"
 GRACE_S = 10
+LINGER_S = 60  # a tree still there this long after its run recorded its end is stopped
+FINISHED = (rundir.Status.completed, rundir.Status.pruned)
 
 
 def free_port() -> int:
@@ -101,8 +105,9 @@ def stop_tree(proc: subprocess.Popen) -> None:
 
 
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
-              step_boundary: bool = False) -> int:
+              step_boundary: bool = False, ended: Callable[[], bool] | None = None) -> int:
     """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
+    `ended()`: the run has recorded its end; a tree still alive LINGER_S after that is stopped (exit code 0).
 
     SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGTERM,
     SIGUSR1 and SIGUSR2 instead ask the workers to stop at the next step boundary with a checkpoint
@@ -150,6 +155,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         if step_boundary:
             handlers.update({s: at_step_boundary for s in stopping.GRACEFUL})
         previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
+        ended_at = None
         try:
             while True:
                 try:
@@ -158,6 +164,15 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
                 except subprocess.TimeoutExpired:
                     if step_boundary and stopping.requested() and not stopped_by:  # (also: asked before they started)
                         _tell_workers(proc, told)
+                    if ended is not None and ended_at is None and ended():
+                        ended_at = time.time()
+                    if ended_at is not None and time.time() - ended_at > LINGER_S:
+                        log_file.write(f"xtrain: the run recorded its end {LINGER_S} s ago and its processes are "
+                                       "still there: stopped them\n")
+                        stop_tree(proc)
+                        proc.wait()
+                        code = 0
+                        break
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -202,7 +217,8 @@ def run(cfg: RunConfig, run_dir: Path) -> dict:
     c = cfg.cluster
     topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
     with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
-        code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {}, step_boundary=True)
+        code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {}, step_boundary=True,
+                         ended=lambda: rundir.read_result(run_dir).get("status") in FINISHED)
         asked = stopping.requested()
     error = rundir.first_rank_error(run_dir)
     if code < 0 and error is not None and not error["terminated"]:
