@@ -31,6 +31,12 @@ SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accu
            "trainer.warmup_steps=4", "trainer.log_every=2", "trainer.eval_every=10", "trainer.save_every=10"]
 
 
+# Where the suite was started in the background of a non-interactive shell, SIGINT is ignored, and an ignored
+# signal stays ignored in every process started from here: the Ctrl-C tests' commands would never see theirs.
+# A terminal's foreground command, what they stand for, always can.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
 BESIDE_SLURM = {"test_tune.py"}
 
