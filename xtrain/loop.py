@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
@@ -27,8 +26,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, plan, plugins,
-                    run_dir as rundir, sampler, stopping, tasks, tracking, trial)
+from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, multiprocess, plan,
+                    plugins, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
@@ -195,7 +194,7 @@ def _train(run_dir: Path) -> dict:
     cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
     t = cfg.trainer
     # from the driver's start when it launched this worker, else from this process's start
-    process_start = float(os.environ.get("XTRAIN_LAUNCH_TIME") or psutil.Process().create_time())
+    process_start = multiprocess.launch_time()
     hardware.name_deepspeed_accelerator()
     memory.reset_peaks()
 

@@ -104,6 +104,21 @@ def stop_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
+def launch_time() -> float:
+    """When this run was launched, by the wall clock: XTRAIN_LAUNCH_TIME where a sweep or a launcher set it,
+    else this process's start. psutil's create_time counts from /proc/stat's btime, whole seconds, and reads
+    up to 1 s early; /proc/uptime has hundredths."""
+    if os.environ.get("XTRAIN_LAUNCH_TIME"):
+        return float(os.environ["XTRAIN_LAUNCH_TIME"])
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+            up = float(uptime.read().split()[0])
+        return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return psutil.Process().create_time()
+
+
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
               step_boundary: bool = False, ended: Callable[[], bool] | None = None) -> int:
     """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
@@ -120,7 +135,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         **os.environ,
         "OMP_NUM_THREADS": str(threads_per_process(topology.processes_per_node)),
         # when the run started: this process's start, or the sweep point's (set by the sweep)
-        "XTRAIN_LAUNCH_TIME": os.environ.get("XTRAIN_LAUNCH_TIME") or str(psutil.Process().create_time()),
+        "XTRAIN_LAUNCH_TIME": str(launch_time()),
         "PYTHONUNBUFFERED": "1",
         **env,
     }

@@ -190,7 +190,7 @@ def gpu_shares(ids: list[str], n_jobs: int) -> list[list[str]]:
 
 def start_in_slot(point: Point, slot: dict) -> subprocess.Popen:
     """The point in a process of its own (`python -m xtrain.backends.local RUN_DIR`), pinned to its slot."""
-    env = {k: v for k, v in os.environ.items() if k != "XTRAIN_LAUNCH_TIME"}
+    env = {**os.environ, "XTRAIN_LAUNCH_TIME": str(time.time())}  # its wall time and time to first step
     preexec = None
     if "gpus" in slot:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(slot["gpus"])
