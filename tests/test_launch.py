@@ -133,9 +133,11 @@ if os.environ.get("RANK") == "1":
 '''
 
 
-def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_stays_completed(tmp_path):
+@pytest.mark.parametrize("ending", ["completed", "stopped"])
+def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_end(tmp_path, ending):
     """Rank 1 never exits after training (injected): the driver stops the tree a minute after the run recorded
-    its end, instead of waiting on it for ever."""
+    its end, instead of waiting on it for ever. The end: all steps, or a stop at a step boundary (SIGUSR1, as
+    SLURM's warning signal: a rank of a 2-node job hung so at its requeue, and its other node waited 5 min)."""
     from xtrain.multiprocess import LINGER_S
 
     inject = tmp_path / "inject"
@@ -143,12 +145,43 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_stays_comp
     (inject / "sitecustomize.py").write_text(HANG_AT_EXIT_ON_RANK_1)
     run_dir = tmp_path / "run"
     began = time.monotonic()
-    run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN,
-               env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    driver = start_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN,
+                          env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    try:
+        if ending == "stopped":
+            while not ((run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 1):
+                assert driver.poll() is None, driver.communicate()
+                time.sleep(0.2)
+            driver.send_signal(signal.SIGUSR1)
+        out, err = driver.communicate(timeout=LINGER_S + 240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    result = read_result(run_dir)
+    if ending == "completed":
+        assert driver.returncode == 0, err
+        assert result["status"] == "completed" and (run_dir / "model" / "model.safetensors").exists()
+    else:
+        assert driver.returncode == 128 + signal.SIGUSR1, err
+        assert result["status"] == "interrupted" and result["stop"]["step"] < 16
+        assert (run_dir / "checkpoints" / f"step_{result['stop']['step']:08d}").is_dir()
     assert time.monotonic() - began < LINGER_S + 120
-    assert read_result(run_dir)["status"] == "completed" and (run_dir / "model" / "model.safetensors").exists()
     assert "its processes are still there: stopped them" in (run_dir / "logs" / "launcher-node0.log").read_text()
     assert processes_of(run_dir) == []
+
+
+def test_a_resumed_run_is_not_taken_for_ended_by_its_last_attempts_result():
+    """A resumed run's result.json shows its last attempt's end until the new attempt writes its own."""
+    from xtrain.multiprocess import recorded_its_end
+
+    stopped = {"status": "interrupted", "stop": {"step": 6}, "steps": 6}
+    assert not recorded_its_end(stopped, before=stopped)
+    assert not recorded_its_end({"status": "running"}, before=stopped)
+    assert recorded_its_end({"status": "interrupted", "stop": {"step": 12}, "steps": 12}, before=stopped)
+    assert recorded_its_end({"status": "completed", "steps": 16}, before=stopped)
+    assert recorded_its_end({"status": "pruned", "stop": {"step": 8}}, before={})
+    assert not recorded_its_end({"status": "interrupted", "error": "stopped by SIGINT"}, before={})
+    assert not recorded_its_end({"status": "failed"}, before={})
 
 
 @pytest.fixture

@@ -31,7 +31,6 @@ from xtrain.run_dir import ERRORS_DIR
 RANK0_PREFIX = "[default0]:"
 GRACE_S = 10
 LINGER_S = 60  # a tree still there this long after its run recorded its end is stopped
-FINISHED = (rundir.Status.completed, rundir.Status.pruned)
 
 
 def free_port() -> int:
@@ -227,13 +226,22 @@ def _catches(pid: int, signum: int) -> bool:
     return bool(caught >> (signum - 1) & 1)
 
 
+def recorded_its_end(result: dict, before: dict) -> bool:
+    """This attempt's trainer wrote its final result.json: completed, pruned, or stopped at a step boundary
+    with a checkpoint. Every rank's part (checkpoint, model) is done by then."""
+    status = result.get("status")
+    stopped = status == rundir.Status.interrupted and "stop" in result
+    return result != before and (status in (rundir.Status.completed, rundir.Status.pruned) or stopped)
+
+
 def run(cfg: RunConfig, run_dir: Path) -> dict:
     """The CLI's multi-process run: workers train from the run dir; failures become LaunchFailed / ConfigError."""
     c = cfg.cluster
     topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
     with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
+        before = rundir.read_result(run_dir)  # a resumed run's shows how its last attempt ended
         code = supervise(topology, run_dir, ["xtrain.worker", str(run_dir)], {}, step_boundary=True,
-                         ended=lambda: rundir.read_result(run_dir).get("status") in FINISHED)
+                         ended=lambda: recorded_its_end(rundir.read_result(run_dir), before))
         asked = stopping.requested()
     error = rundir.first_rank_error(run_dir)
     if code < 0 and error is not None and not error["terminated"]:
