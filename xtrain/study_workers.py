@@ -59,7 +59,9 @@ def run(study: tune.Study) -> None:
     log.info("study %s in %s (%s)", study.s.study_name, study.sweep_dir, study.s.storage)
     study.write_summary()
     count = min(study.s.n_jobs, study.s.n_trials)
-    if slurm.run_workers(Worker(study), cfg, study.sweep_dir, count, tick=Progress(study)):
+    progress = Progress(study)
+    if slurm.run_workers(Worker(study), cfg, study.sweep_dir, count, tick=progress):
+        progress.show_new()  # told since the last tick
         study.finish()
         study.outcome()
 
@@ -80,6 +82,9 @@ class Progress:
         if time.time() < self.next:
             return
         self.next = time.time() + self.EVERY_S
+        self.show_new()
+
+    def show_new(self) -> None:
         for trial in self.told():
             if trial.number in self.shown:
                 continue
