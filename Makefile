@@ -29,7 +29,7 @@ $(TEST_READY): $(READY)
 	touch $@
 
 test: $(TEST_READY)
-	$(BIN)/python -m pytest -n 2 --dist loadgroup $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 $(ARGS)
 
 bench: $(TEST_READY)
 	$(BIN)/python benchmarks/throughput.py
