@@ -37,6 +37,12 @@ from xtrain.run_dir import Status
 
 log = logging.getLogger("xtrain")
 
+# A multi-process run's objects that hold its process group (the DDP reducer, DeepSpeed's engine), kept until its
+# worker process ends with os._exit, never torn down: a gloo group destroyed from the main thread while one of the
+# group's own threads still disposes of the last collective's work deadlocks (that thread waits for the GIL, the main
+# thread holds it and waits for the group's lock). Seen under load: a rank that had saved its stop never exited.
+_HELD_UNTIL_EXIT: list = []
+
 
 def micro_batches(accelerator: Accelerator, loader, start: int):
     """Endless micro-batches over epochs, starting at micro-batch `start` (resume skips, never replays)."""
@@ -249,6 +255,8 @@ def _train(run_dir: Path) -> dict:
 
     result.update(memory.peaks(accelerator))
     accelerator.end_training()  # destroys the process group: no collective after it
+    if accelerator.num_processes > 1:
+        _HELD_UNTIL_EXIT.append((accelerator, c))
     return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
                   process_start, wall)
 
