@@ -137,23 +137,26 @@ if os.environ.get("RANK") == "1":
 def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_end(tmp_path, ending):
     """Rank 1 never exits after training (injected): the driver stops the tree a minute after the run recorded
     its end, instead of waiting on it for ever. The end: all steps, or a stop at a step boundary (SIGUSR1, as
-    SLURM's warning signal: a rank of a 2-node job hung so at its requeue, and its other node waited 5 min)."""
-    from xtrain.multiprocess import LINGER_S
+    SLURM's warning signal: a rank of a 2-node job hung so at its requeue, and its other node waited 5 min).
+    The wait is 60 s; here 5 s (XTRAIN_TEST_LINGER_S), the same behaviour sooner."""
+    from xtrain.multiprocess import LINGER_ENV
 
+    linger = 5
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(HANG_AT_EXIT_ON_RANK_1)
     run_dir = tmp_path / "run"
     began = time.monotonic()
     driver = start_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN,
-                          env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+                          env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                               LINGER_ENV: str(linger)})
     try:
         if ending == "stopped":
             while not ((run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 1):
                 assert driver.poll() is None, driver.communicate()
                 time.sleep(0.2)
             driver.send_signal(signal.SIGUSR1)
-        out, err = driver.communicate(timeout=LINGER_S + 240)
+        out, err = driver.communicate(timeout=linger + 240)
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -165,7 +168,7 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_
         assert driver.returncode == 128 + signal.SIGUSR1, err
         assert result["status"] == "interrupted" and result["stop"]["step"] < 16
         assert (run_dir / "checkpoints" / f"step_{result['stop']['step']:08d}").is_dir()
-    assert time.monotonic() - began < LINGER_S + 120
+    assert time.monotonic() - began < linger + 120
     assert "its processes are still there: stopped them" in (run_dir / "logs" / "launcher-node0.log").read_text()
     assert processes_of(run_dir) == []
 

@@ -31,6 +31,11 @@ from xtrain.run_dir import ERRORS_DIR
 RANK0_PREFIX = "[default0]:"
 GRACE_S = 10
 LINGER_S = 60  # a tree still there this long after its run recorded its end is stopped
+LINGER_ENV = "XTRAIN_TEST_LINGER_S"  # the suite's shorter LINGER_S (test_launch.py)
+
+
+def linger_s() -> float:
+    return float(os.environ.get(LINGER_ENV, LINGER_S))
 
 
 def free_port() -> int:
@@ -121,7 +126,7 @@ def launch_time() -> float:
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
               step_boundary: bool = False, ended: Callable[[], bool] | None = None) -> int:
     """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
-    `ended()`: the run has recorded its end; a tree still alive LINGER_S after that is stopped (exit code 0).
+    `ended()`: the run has recorded its end; a tree still alive `linger_s()` after that is stopped (exit code 0).
 
     SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGTERM,
     SIGUSR1 and SIGUSR2 instead ask the workers to stop at the next step boundary with a checkpoint
@@ -180,8 +185,8 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
                         _tell_workers(proc, told)
                     if ended is not None and ended_at is None and ended():
                         ended_at = time.time()
-                    if ended_at is not None and time.time() - ended_at > LINGER_S:
-                        log_file.write(f"xtrain: the run recorded its end {LINGER_S} s ago and its processes are "
+                    if ended_at is not None and time.time() - ended_at > linger_s():
+                        log_file.write(f"xtrain: the run recorded its end {linger_s():g} s ago and its processes are "
                                        "still there: stopped them\n")
                         stop_tree(proc)
                         proc.wait()
