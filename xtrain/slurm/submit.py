@@ -38,9 +38,19 @@ class Partition:
     default: bool
 
 
+def require_slurm() -> None:
+    """SLURM's commands are on this machine: else one line that says where to submit from."""
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        raise ConfigError(
+            "cluster=slurm: sbatch is not on PATH; submit from a SLURM login node (load its module first), "
+            "or use cluster=local"
+        )
+
+
 @functools.lru_cache(maxsize=1)
 def partitions() -> dict[str, Partition]:
     """The cluster's partitions, from sinfo (one query per process)."""
+    require_slurm()
     found: dict[str, Partition] = {}
     for line in query(["sinfo", "-h", "-o", "%P|%D|%G|%c"]).splitlines():
         name, nodes, gres, cpus = line.split("|")
@@ -85,11 +95,7 @@ def resolve_request(cfg: RunConfig) -> RunConfig:
 def check(cfg: RunConfig) -> None:
     """What the submitting machine can know about the request: SLURM is here, the partition has the nodes."""
     c = cfg.cluster
-    if shutil.which("sbatch") is None:
-        raise ConfigError(
-            "cluster=slurm: sbatch is not on PATH; submit from a SLURM login node (load its module first), "
-            "or use cluster=local"
-        )
+    require_slurm()
     part = partition_of(c)
     if c.nodes > part.nodes:
         raise ConfigError(f"cluster.nodes={c.nodes}: partition {part.name} has {part.nodes} node(s); "
