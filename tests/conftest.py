@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -74,7 +75,18 @@ def isolated_env(tmp_path_factory):
     yield
 
 
-def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: dict | None = None):
+# What a process reads as it starts (an injected sitecustomize, torch's thread count and logs, W&B's home): a run
+# given any of these gets a process of its own.
+AT_START = ("PYTHONPATH", "OMP_NUM_THREADS", "TORCH_LOGS", "HOME")
+
+
+def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: dict | None = None,
+               own_process: bool = False) -> subprocess.CompletedProcess:
+    """`python -m xtrain ...`: the real CLI in this process (`xtrain_in_process`: no new interpreter's ~4 s of
+    imports), or in a process of its own where the test is about that process (`own_process`: its exact output) or
+    needs it (an `env` of AT_START)."""
+    if not own_process and not set(env or {}) & set(AT_START):
+        return xtrain_in_process(*overrides, check=check, env=env)
     proc = subprocess.run(
         [sys.executable, "-m", "xtrain", *overrides],
         capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
@@ -85,34 +97,61 @@ def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: d
 
 
 def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m xtrain ...` run by this process (the real CLI, `cli.main`): for runs that are refused before
-    anything starts, without a new interpreter's ~4 s of imports. Exit code, stdout and stderr as a subprocess's."""
-    import contextlib
+    """`python -m xtrain ...` run by this process (the real CLI, `cli.main`, from the repository as a subprocess's
+    working directory), as a process started now: exit code, stdout and stderr as a subprocess's (an exception that
+    would end the process is its traceback and exit code 1). Afterwards this process is as it was: its environment,
+    Hydra, Accelerate's state, SLURM's partitions (read once per process)."""
     import io
+    import traceback
 
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
 
     from xtrain import cli
 
-    argv, saved_env, hydra_state = sys.argv, dict(os.environ), Singleton.get_state()
+    argv, saved_env, hydra_state, cwd = sys.argv, dict(os.environ), Singleton.get_state(), os.getcwd()
     sys.argv = ["xtrain", *overrides]
-    os.environ.update(env or {})
+    os.environ.update({"XTRAIN_LAUNCH_TIME": str(time.time()), **(env or {})})  # its time to first step: its own
+    os.chdir(REPO)
+    _forget_slurm_partitions()  # read by this process's own tests too (compose_run)
     out, err, code = io.StringIO(), io.StringIO(), 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            cli.main()
+            try:
+                cli.main()
+            except SystemExit:
+                raise
+            except BaseException:  # what the interpreter would print before exiting 1
+                traceback.print_exc()
+                code = 1
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:
         sys.argv = argv
+        os.chdir(cwd)
         os.environ.clear()
         os.environ.update(saved_env)
         GlobalHydra.instance().clear()
         Singleton.set_state(hydra_state)  # Hydra as it was: this process runs other Hydra apps too
+        _forget_the_run()
     if check and code != 0:
         raise AssertionError(f"xtrain {' '.join(overrides)} exited {code}:\n{out.getvalue()}\n{err.getvalue()}")
     return subprocess.CompletedProcess(["xtrain", *overrides], code, out.getvalue(), err.getvalue())
+
+
+def _forget_the_run() -> None:
+    """What a run leaves in its process that a later one in the same process must not see."""
+    if "accelerate" in sys.modules:  # (a refused run may never have loaded it)
+        from xtrain.backends.local import release_memory
+
+        release_memory()
+    _forget_slurm_partitions()
+
+
+def _forget_slurm_partitions() -> None:
+    """SLURM's partitions are read once per process: a run must ask the cluster as it is now."""
+    if "xtrain.slurm.submit" in sys.modules:
+        sys.modules["xtrain.slurm.submit"].partitions.cache_clear()
 
 
 def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False) -> subprocess.Popen:
@@ -158,12 +197,29 @@ def read_result(run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())
 
 
+def shared_run(tmp_path_factory, name: str, *overrides: str) -> Path:
+    """A run that tests only read, made once per session for every xdist worker: the first to ask makes it under
+    a lock, the others wait for it there and read the same run dir."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    shared = (root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root) / "shared" / name
+    shared.mkdir(parents=True, exist_ok=True)
+    run_dir, done = shared / "run", shared / "done"
+    with open(shared / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            if run_dir.exists():  # another worker's attempt failed (its test says why): try once more
+                shutil.rmtree(run_dir)
+            run_xtrain(f"run_dir={run_dir}", *overrides)
+            done.touch()
+    return run_dir
+
+
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory) -> Path:
     """One short default-config run shared by the tests that only read its outputs."""
-    run_dir = tmp_path_factory.mktemp("short") / "run"
-    run_xtrain(f"run_dir={run_dir}", *SHORT)
-    return run_dir
+    return shared_run(tmp_path_factory, "short", *SHORT)
 
 
 def train_losses(run_dir: Path) -> list[float]:
@@ -173,9 +229,7 @@ def train_losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="session")
 def ddp_two_processes(tmp_path_factory) -> Path:
     """The DDP reference for the sharded strategies (`SHARDED`)."""
-    run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    run_xtrain(f"run_dir={run_dir}", "strategy=ddp", *SHARDED)
-    return run_dir
+    return shared_run(tmp_path_factory, "ddp", "strategy=ddp", *SHARDED)
 
 
 def compose_run(*overrides: str) -> RunConfig:

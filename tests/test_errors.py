@@ -125,6 +125,6 @@ def test_several_nodes_need_a_rendezvous_port(tmp_path):
 def test_a_refusal_from_the_command_line_is_one_line_exit_2_and_creates_nothing(tmp_path):
     """The contract as a user meets it, in a process of its own (the cases above run the same CLI in-process)."""
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", "trainer.bacth_size=8", check=False)
+    proc = run_xtrain(f"run_dir={run_dir}", "trainer.bacth_size=8", check=False, own_process=True)
     assert_one_line_error(proc, "trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?")
     assert not run_dir.exists()

@@ -18,7 +18,7 @@ def test_default_job_learns(tmp_path):
     """`python -m xtrain` exactly as shipped (only the run dir and a fresh cache pinned): val loss falls well below
     its start."""
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", env={"XTRAIN_CACHE_DIR": str(tmp_path / "cache")})
+    proc = run_xtrain(f"run_dir={run_dir}", env={"XTRAIN_CACHE_DIR": str(tmp_path / "cache")}, own_process=True)
     # a cold cache included (tokenizer training, tokenization): the output is xtrain's own log lines only
     lines = (proc.stdout + proc.stderr).splitlines()
     assert lines and [line for line in lines if not re.match(r"\[\d\d:\d\d:\d\d\]\[xtrain\]\[INFO\] ", line)] == []
