@@ -200,15 +200,15 @@ def run_lines(proc) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_two_processes_with_a_20_s_timeout_train_on_a_corpus_that_takes_longer_to_prepare(tmp_path, cache):
+def test_two_processes_with_a_10_s_timeout_train_on_a_corpus_that_takes_longer_to_prepare(tmp_path, cache):
     """The driver prepares before any worker starts: no rank waits in a collective meanwhile."""
     write(tmp_path / "c.jsonl", documents(100_000_000, seed=6))
     run_dir = tmp_path / "run"
     proc = run_xtrain(f"run_dir={run_dir}", "data=text", f"data.files=[{tmp_path}/c.jsonl]", "data.num_proc=1",
-                      "cluster.num_processes=2", "cluster.timeout_s=20", *TINY)
+                      "cluster.num_processes=2", "cluster.timeout_s=10", *TINY)
     [entry] = entries(cache)
     meta = json.loads((entry / "meta.json").read_text())
-    assert meta["seconds"] > 20, "the corpus must take longer to prepare than the collective timeout"
+    assert meta["seconds"] > 10, "the corpus must take longer to prepare than the collective timeout"
     assert read_result(run_dir)["status"] == "completed" and read_result(run_dir)["world_size"] == 2
     out = run_lines(proc)
     assert out.index(PREPARING) < out.index("launching 1 x 2 processes")
