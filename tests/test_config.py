@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,11 +101,29 @@ def test_cfg_job_does_not_import_torch():
     assert "HEAVY []" in out
 
 
-def test_help_lists_every_group():
+def test_help_lists_every_option_with_what_it_is_and_the_companion_commands():
+    from xtrain import help
+
     out = subprocess.run([sys.executable, "-m", "xtrain", "--help"], capture_output=True, text=True, check=True).stdout
     for group in cli.GROUP_SCHEMAS:
         assert f"{group}:" in out
-    assert "tiny_gpt2, tiny_llama" in out
+        for option, about in help.options(group).items():
+            assert about and re.search(rf"^ +{option} +{re.escape(about)}$", out, re.M), (group, option)
+    assert "tiny_gpt2, tiny_llama" in out and "base_" not in out and "schema" not in out
+    for name in ("run_dir", "resume", "dry_run", "xtrain.prepare", "xtrain.status", "xtrain.env"):
+        assert name in out
+    assert "`none`, `auto` (newest checkpoint in run_dir" in out  # the schema's docstring, the one source
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["xtrain", "--version"], "xtrain 0.1.0"),
+    (["xtrain.prepare", "--help"], "usage: python -m xtrain.prepare"),
+    (["xtrain.status", "--help"], "usage: python -m xtrain.status RUN_DIR_OR_SWEEP_DIR"),
+    (["xtrain.env", "--help"], "usage: python -m xtrain.env"),
+])
+def test_companion_commands_answer_help_and_version(command, expected):
+    proc = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith(expected) and proc.stderr == "", proc.stderr
 
 
 NO_PARTITION = ["cluster=slurm", "cluster.gpus_per_node=0", "cluster.cpus_per_task=1"]  # (no SLURM needed)

@@ -52,13 +52,27 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, e
     assert not run_dir.exists()
 
 
-def test_unknown_group_option_keeps_hydras_list_of_choices(tmp_path):
-    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "precision=fp64", check=False)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    assert "Could not find 'precision/fp64'" in proc.stderr
-    for choice in ("bf16", "fp16", "fp32"):
-        assert choice in proc.stderr
+@pytest.mark.parametrize("overrides,expected", [
+    (["precision=fp64"], "precision=fp64: no such option; did you mean precision=fp16? (options: bf16, fp16, fp32, fp8)"),
+    # a typo of a preset is refused, not trained as the default model in fp32
+    (["experiment=tiny_lama_bf16"],
+     "experiment=tiny_lama_bf16: no such option; did you mean experiment=tiny_llama_bf16? (options: gpt2_deeper, "
+     "tiny_llama_bf16)"),
+    # the typed schemas are not options
+    (["strategy=base_strategy"], "strategy=base_strategy: no such option; choose one of ddp, fsdp, zero1, zero2, zero3"),
+    # a setting added with + that the schema does not have is refused, not composed and dropped
+    (["+trainer.foo=1"], "trainer.foo=1: no such setting; python -m xtrain --cfg job lists every setting"),
+    # the closest real setting: the group first, then an alias, a longer name, or the nearest spelling
+    (["trainr.batch_size=8"], "trainr.batch_size=8: no such setting; did you mean trainer.batch_size?"),
+    (["trainer.learning_rate=1e-3"], "trainer.learning_rate=1e-3: no such setting; did you mean trainer.lr?"),
+    (["model.name=gpt2"], "model.name=gpt2: no such setting; did you mean model.name_or_path?"),
+    (["trainer.warmup=10"], "trainer.warmup=10: no such setting; did you mean trainer.warmup_steps?"),
+])
+def test_a_mistake_is_refused_with_the_closest_real_option(tmp_path, overrides, expected):
+    run_dir = tmp_path / "run"
+    line = assert_one_line_error(xtrain_in_process(f"run_dir={run_dir}", *overrides, check=False), expected)
+    assert line == f"xtrain: error: {expected}"
+    assert not run_dir.exists()
 
 
 def test_resume_pointing_at_a_non_checkpoint(tmp_path):

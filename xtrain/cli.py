@@ -40,7 +40,7 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     store.store(name="run_config", node=RunConfig)
     for group, schema in GROUP_SCHEMAS.items():
-        store.store(group=group, name=f"base_{group}", node=schema)
+        store.store(group=f"schema/{group}", name="base", node=schema)  # extended by conf/<group>/*.yaml
 
 
 def fail(message: str) -> None:
@@ -89,6 +89,17 @@ def make_launchers_visible() -> None:
 
 
 def main() -> None:
+    asked = set(sys.argv[1:])
+    if "--version" in asked:
+        from xtrain import __version__
+
+        print(f"xtrain {__version__}")
+        return
+    if asked & {"--help", "-h"}:
+        from xtrain import help
+
+        print(help.text())
+        return
     keep_private()
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
@@ -108,10 +119,26 @@ def main() -> None:
 def _report_refusal(err: Exception) -> None:
     if isinstance(err, ConfigError):
         fail(str(err))
-    if isinstance(err, MissingConfigException):  # unknown group option: Hydra's message lists the choices
-        print(f"xtrain: error: {str(err).split('Config search path')[0].strip()}", file=sys.stderr)
-        sys.exit(2)
+    if isinstance(err, MissingConfigException):
+        fail(unknown_option(str(err)))
     fail(explain(err, config.setting_names()))
+
+
+def unknown_option(message: str) -> str:
+    """Hydra's report of a group option that does not exist (several lines) as one: the option, what was probably
+    meant, the choices."""
+    import difflib
+    import re
+
+    missing = re.search(r"Could not find '([^']+)'", message)
+    if not missing or "/" not in missing.group(1):
+        return " ".join(message.split("Config search path")[0].split())
+    group, _, option = missing.group(1).rpartition("/")
+    choices = re.findall(r"^\t(\S+)$", message, re.M)
+    close = difflib.get_close_matches(option, choices, n=1, cutoff=0.6)
+    listed = ", ".join(choices) if choices else "none"
+    hint = f"did you mean {group}={close[0]}? (options: {listed})" if close else f"choose one of {listed}"
+    return f"{group}={option}: no such option; {hint}"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 
 from xtrain.cluster_config import ClusterConfig
 from xtrain.lora_config import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
-from xtrain.errors import ConfigError, non_negative, positive
+from xtrain.errors import ConfigError, override_of, non_negative, positive, unknown_setting
 
 
 class ModelSource(Enum):
@@ -367,11 +367,31 @@ def to_yaml(cfg: RunConfig) -> str:
 
 
 def from_container(container: Any) -> RunConfig:
-    """Validate a plain/omegaconf mapping against the schema and build the typed RunConfig."""
-    from omegaconf import OmegaConf
+    """Validate a plain/omegaconf mapping against the schema and build the typed RunConfig. A key the schema does
+    not have (added with `+`, or in a file) is refused: OmegaConf would keep or drop it, and nothing would read it."""
+    from omegaconf import DictConfig, OmegaConf
 
+    plain = OmegaConf.to_container(container) if isinstance(container, DictConfig) else container
+    for name in unknown_keys(plain, RunConfig):
+        setting, value = override_of(name)
+        raise ConfigError(unknown_setting(setting, value, setting_names()))
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
     return OmegaConf.to_object(merged)
+
+
+def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:
+    """The dotted keys of a mapping that `schema` (a dataclass, its fields' dataclasses within) does not have."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    found = []
+    for key, value in (node or {}).items():
+        if key not in fields:
+            found.append(f"{prefix}{key}")
+            continue
+        factory = fields[key].default_factory
+        sub = factory() if factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub) and isinstance(value, dict):
+            found += unknown_keys(value, type(sub), f"{prefix}{key}.")
+    return found
 
 
 def load(path: str) -> RunConfig:

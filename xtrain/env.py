@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from importlib import metadata
 
 from xtrain import hardware
@@ -79,5 +80,13 @@ def report() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main() -> None:
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print("usage: python -m xtrain.env\n\nVersions of Python, xtrain, torch and the libraries it uses; the devices found; "
+              "leaked ACCELERATE_*/FSDP_* settings; which strategies and precisions this machine can run, and why not.")
+        return
     print(report())
+
+
+if __name__ == "__main__":
+    main()

@@ -70,33 +70,72 @@ def one_line(err: BaseException) -> str:
     return text if isinstance(err, (ConfigError, LaunchFailed)) else f"{type(err).__name__}: {text}"
 
 
-def _override_value(key: str) -> str | None:
+# What people type for a setting, by the last part of its name: the real one's last part
+ALIASES = {
+    "learning_rate": "lr", "name": "name_or_path", "model_name": "name_or_path", "path": "name_or_path",
+    "steps": "max_steps", "num_steps": "max_steps", "train_steps": "max_steps", "iterations": "max_steps",
+    "batch": "batch_size", "bs": "batch_size", "micro_batch_size": "batch_size",
+    "gradient_accumulation_steps": "grad_accum", "accumulation_steps": "grad_accum", "warmup": "warmup_steps",
+    "layers": "num_layers", "n_layer": "num_layers", "heads": "num_heads", "n_head": "num_heads",
+    "gpus": "gpus_per_node", "num_nodes": "nodes", "processes": "num_processes", "nproc_per_node": "num_processes",
+}
+
+
+def closest(name: str, settings: list[str]) -> str | None:
+    """The real setting a mistyped dotted name most likely meant: its group first (`trainr` -> `trainer`), then its
+    last part within that group (a usual alias, the start of a longer name, or the nearest spelling)."""
+    parts = name.split(".")
+    heads = sorted({s.split(".")[0] for s in settings})
+    head = parts[0] if parts[0] in heads else next(iter(difflib.get_close_matches(parts[0], heads, n=1, cutoff=0.6)), None)
+    if head is None:
+        return None
+    if len(parts) == 1:
+        return head if head in settings else None
+    leaves = {s[len(head) + 1:]: s for s in settings if s.startswith(head + ".")}
+    rest = ".".join(parts[1:])
+    aliased = ".".join([*parts[1:-1], ALIASES.get(parts[-1], parts[-1])])
+    for candidate in (rest, aliased):
+        if candidate in leaves:
+            return leaves[candidate]
+    longer = [leaf for leaf in leaves if leaf.startswith(rest)]
+    if len(longer) == 1:
+        return leaves[longer[0]]
+    close = difflib.get_close_matches(rest, list(leaves), n=1, cutoff=0.6)
+    return leaves[close[0]] if close else None
+
+
+def unknown_setting(name: str, value: str | None, settings: list[str]) -> str:
+    """The one line for a setting that does not exist, with the one that most likely was meant."""
+    close = closest(name, settings)
+    hint = f"did you mean {close}?" if close else "python -m xtrain --cfg job lists every setting"
+    return f"{name}{'' if value is None else '=' + value}: no such setting; {hint}"
+
+
+def override_of(key: str) -> tuple[str, str | None]:
+    """The command line's override of `key`, or of a setting below it: its name and value."""
     for arg in sys.argv[1:]:
         name, sep, value = arg.lstrip("+~").partition("=")
-        if sep and name == key:
-            return value
-    return None
+        if sep and (name == key or name.startswith(key + ".")):
+            return name, value
+    return key, None
 
 
 def explain(err: Exception, settings: list[str]) -> str:
     """One line for a Hydra / OmegaConf composition error: the setting, the bad value, what would work.
-    `settings`: every dotted key a user can set (for a close match to a typo)."""
+    `settings`: every dotted key a user can set (for the one a typo meant)."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue
 
     cause = err.__cause__ or err
     key = getattr(cause, "full_key", None)
     if not key:
         return " ".join(str(err).split())
-    value = _override_value(key)
-    setting = f"{key}={value}" if value is not None else key
+    name, value = override_of(key)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        close = difflib.get_close_matches(key, settings, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "python -m xtrain --cfg job lists every setting"
-        return f"{setting}: no such setting; {hint}"
+        return unknown_setting(name, value, settings)
     if isinstance(cause, MissingMandatoryValue):
         return f"{key}: must be set"
     reason = str(cause).splitlines()[0]
     converted = re.match(r"Value '.*' of type '.*' could not be converted to (\w+)", reason)
     if converted:
         reason = f"not a valid {converted.group(1).lower()}"
-    return f"{setting}: {reason}"
+    return f"{name}{'' if value is None else '=' + value}: {reason}"

@@ -18,12 +18,23 @@ from xtrain.errors import ConfigError
 from xtrain.files import keep_private
 
 
+USAGE = """usage: python -m xtrain.prepare [GROUP=OPTION ...] [SETTING=VALUE ...]
+
+Prepares the data of the run these overrides describe (the same as `python -m xtrain`'s) into the cache
+(data.cache_dir, or XTRAIN_CACHE_DIR), so that the run starts training without preparing. Nothing trains and
+no run dir is written."""
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if {"--help", "-h"} & set(argv):
+        print(USAGE)
+        return
     keep_private()
     cli.register_schemas()
     try:
         with initialize_config_module("xtrain.conf", version_base="1.3"):
-            cfg = config.from_container(compose("config", overrides=list(sys.argv[1:] if argv is None else argv)))
+            cfg = config.from_container(compose("config", overrides=argv))
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         cli._report_refusal(err)
     from xtrain import data

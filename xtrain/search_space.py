@@ -16,11 +16,10 @@ before any runs: every choice, and the ends of every range.
 
 from __future__ import annotations
 
-import difflib
 import itertools
 from dataclasses import dataclass, field
 
-from xtrain.errors import ConfigError
+from xtrain.errors import ConfigError, closest
 
 MAX_CORNERS = 32  # beyond that, each dimension's ends with the others at their lows
 
@@ -46,8 +45,8 @@ def parse(overrides: list[str], known: set[str] | None = None) -> Space:
         key = override.get_key_element()
         name = key.lstrip("+~")
         if known is not None and not (name in known or any(name.startswith(k + ".") for k in known if "." in k)):
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"did you mean {close[0]}?" if close else "e.g. trainer.lr, trainer.batch_size, model.n_layer"
+            close = closest(name, sorted(known))
+            hint = f"did you mean {close}?" if close else "e.g. trainer.lr, trainer.batch_size, model.num_layers"
             raise ConfigError(f"hydra.sweeper.params: {key} names no setting of xtrain's run config; {hint}")
         if override.is_sweep_override():
             space.distributions[key] = distribution(key, override)

@@ -95,9 +95,19 @@ def run_status(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+USAGE = """usage: python -m xtrain.status RUN_DIR_OR_SWEEP_DIR
+
+Where a run or a sweep (a study too) stands, from its files alone: a run's status, steps, losses and throughput;
+a sweep's table of points (sweep.csv, summary.md and sweep.png are written anew). Works on a running, killed or
+SLURM run alike."""
+
+
 def main() -> None:
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(USAGE)
+        return
     if len(sys.argv) != 2:
-        print("usage: python -m xtrain.status RUN_DIR_OR_SWEEP_DIR", file=sys.stderr)
+        print(USAGE.splitlines()[0], file=sys.stderr)
         sys.exit(2)
     path = Path(sys.argv[1])
     if rundir.is_sweep_dir(path):
