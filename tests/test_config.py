@@ -39,7 +39,7 @@ trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
 trainer.compile
 tracker.kind tracker.project tracker.wandb_mode
-run_dir resume dry_run
+run_dir resume resume_changes dry_run
 """.split()
 
 

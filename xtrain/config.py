@@ -318,10 +318,16 @@ class RunConfig:
     """Where this run's files go; also Hydra's output dir."""
     resume: str = "none"
     """`none`, `auto` (newest checkpoint in run_dir, fresh start if none) or a checkpoint path."""
+    resume_changes: str = "refuse"
+    """A resume with settings that change what trains: `refuse` (one line lists them) or `apply` (the learning
+    rate, its schedule, max_steps, weight decay and clipping take effect from the resumed step, recorded in
+    result.json). Log, eval and save intervals, trackers, timeouts and the SLURM request may always change."""
     dry_run: bool = False
     """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
 
     def __post_init__(self) -> None:
+        if self.resume_changes not in ("refuse", "apply"):
+            raise ConfigError(f"resume_changes={self.resume_changes}: must be refuse or apply")
         if self.data.source is DataSource.sft and self.model.source is ModelSource.config:
             raise ConfigError(
                 "data=sft: the built-in model's tokenizer has no chat template and no pretrained knowledge to "

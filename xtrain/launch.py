@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from xtrain import checkpoint, data, hardware, model, plan, plugins, run_dir
+from xtrain import checkpoint, config, data, hardware, model, plan, plugins, resume, run_dir
 from xtrain.cluster_config import ClusterKind
 from xtrain.config import ModelSource, Offload, RunConfig
 from xtrain.errors import ConfigError
@@ -60,12 +60,16 @@ def preflight(cfg: RunConfig) -> plugins.ModelFacts:
     _, facts = plan.model_facts(cfg)  # checks strategy.wrap_layer against the model
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:
-        done = checkpoint.read_state(resume_from)["step"]
-        if done >= cfg.trainer.max_steps:
+        state = checkpoint.read_state(resume_from)
+        if state["step"] >= cfg.trainer.max_steps:
             raise ConfigError(
-                f"resume={cfg.resume}: {resume_from} has already trained {done} steps; "
-                f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps"
+                f"resume={cfg.resume}: {resume_from} has already trained {state['step']} steps; "
+                f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps "
+                "(with resume_changes=apply)"
             )
+        resume.check(cfg.resume_changes, state.get("config"), config.to_container(cfg), f"resume={cfg.resume}: {resume_from}")
+    elif cfg.resume == "auto":
+        log.info("resume=auto: %s holds no checkpoint; starting fresh", cfg.run_dir)
     return facts
 
 

@@ -27,12 +27,12 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, multiprocess, plan,
-                    plugins, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
+                    plugins, resume, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
 from xtrain.files import replace_dir
-from xtrain.optim import build_optimizer, lr_factor
+from xtrain.optim import build_optimizer, lr_factor, set_hyperparameters
 from xtrain.run_dir import Status
 
 log = logging.getLogger("xtrain")
@@ -130,10 +130,12 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task)
     )
 
 
-def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, cfg: RunConfig) -> tuple[Progress, int]:
-    """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, and on the main
-    process the last step logged before the cut."""
-    progress, last_logged = Progress(step=0, tokens_seen=0, skipped=0), 0
+def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, cfg: RunConfig,
+            c: Components) -> tuple[Progress, int, dict]:
+    """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, on the main process the
+    last step logged before the cut, and the settings that changed since the checkpoint (preflight allowed them;
+    the optimizer's and the schedule's take effect here)."""
+    progress, last_logged, changed = Progress(step=0, tokens_seen=0, skipped=0), 0, {}
     if resume_from is not None:
         checkpoint.load(accelerator, resume_from, only_trainable=cfg.model.lora.enabled)
         state = checkpoint.read_state(resume_from)
@@ -141,13 +143,18 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
         progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
                             skipped=state.get("skipped_steps", 0),
                             window=Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)))
+        found = resume.changes(state["config"], config.to_container(cfg)) if "config" in state else []
+        if any(change.key in resume.APPLICABLE for change in found):
+            set_hyperparameters(c.optimizer, c.scheduler, cfg)
+            log.info("resumed with new settings: %s", ", ".join(str(change) for change in found if change.trains))
+        changed = resume.record(found)
     if accelerator.is_main_process:
         if progress.step:
             last_logged = rundir.keep_metrics_until(run_dir, progress.step)
         else:
             (run_dir / rundir.METRICS).unlink(missing_ok=True)
     accelerator.wait_for_everyone()
-    return progress, last_logged
+    return progress, last_logged, changed
 
 
 def resume_setting(cfg: RunConfig, run_dir: Path) -> str:
@@ -217,7 +224,7 @@ def _train(run_dir: Path) -> dict:
     c.pruning = trial.Pruning(run_dir, accelerator.is_main_process)
     model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
 
-    progress, last_logged = restore(accelerator, resume_from, run_dir, cfg)
+    progress, last_logged, changed = restore(accelerator, resume_from, run_dir, cfg, c)
     start_step = progress.step
     accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
                               init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
@@ -225,7 +232,9 @@ def _train(run_dir: Path) -> dict:
     result["peak_rss_model_ready_bytes"] = model_ready
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
-            result.update(rundir.continued(run_dir, start_step, last_logged))
+            result.update(rundir.continued(run_dir, start_step, last_logged, changed))
+        elif changed:  # resumed from another run's checkpoint
+            result["changed_from_checkpoint"] = changed
         rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
 
     train_start, tokens_at_start = time.time(), progress.tokens_seen
@@ -345,7 +354,8 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
 
 def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
     window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
-    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, **checkpoint.identity(cfg)}
+    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, **checkpoint.identity(cfg),
+             "config": config.to_container(cfg)}  # what it was trained with: a resume with other settings says so
     checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
 
 

@@ -36,3 +36,16 @@ def lr_factor(step: int, cfg: RunConfig) -> float:
         return (step + 1) / t.warmup_steps
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_hyperparameters(optimizer, scheduler, cfg: RunConfig) -> None:
+    """A restored optimizer and schedule take run.yaml's learning rate and weight decay (a resume with
+    resume_changes=apply); the schedule's shape (warmup, max_steps, min_lr_ratio) is run.yaml's already."""
+    schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper
+    schedule.base_lrs = [cfg.trainer.lr] * len(schedule.base_lrs)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.trainer.lr
+        group["lr"] = cfg.trainer.lr * lr_factor(schedule.last_epoch, cfg)
+        first = group["params"][0]
+        if len(getattr(first, "ds_shape", first.shape)) >= 2:  # the matrices' group (build_optimizer)
+            group["weight_decay"] = cfg.trainer.weight_decay

@@ -18,7 +18,7 @@ from typing import Callable
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from xtrain import backends, config, launch, run_dir as rundir, summary
+from xtrain import backends, config, launch, resume, run_dir as rundir, summary
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, SweepFailed, explain
 from xtrain.run_dir import Point, Status
@@ -97,26 +97,19 @@ def completed(path: Path, cfg: RunConfig) -> bool:
 
 
 def check_same_config(point: Point) -> None:
-    """A point resumed into its run dir must have the config it was started with: never mix two runs."""
+    """A point resumed into its run dir must have the config it was started with (but for when things happen and
+    where they run, and with resume_changes=apply the optimizer's settings): never mix two runs."""
     on_disk = point.path / rundir.RUN_CONFIG
     if not on_disk.exists():
         return
-    old, new = config.to_container(config.load(str(on_disk))), config.to_container(point.cfg)
-    differ = [f"{k}: {v!r} on disk vs {b!r} now" for k, v, b in _diff(old, new) if k not in ("resume", "dry_run")]
+    found = resume.changes(config.to_container(config.load(str(on_disk))), config.to_container(point.cfg))
+    applied = resume.APPLICABLE if point.cfg.resume_changes == "apply" else ()
+    differ = [f"{c.key}: {c.old!r} on disk vs {c.new!r} now" for c in found if c.trains and c.key not in applied]
     if differ:
         raise ConfigError(
             f"point {point.num} ({point.label}): run_dir={point.path} holds a run with other settings "
             f"({'; '.join(differ[:3])}); resume with the same command, or choose a new run_dir"
         )
-
-
-def _diff(a: dict, b: dict, prefix: str = ""):
-    for key in sorted(set(a) | set(b)):
-        x, y = a.get(key), b.get(key)
-        if isinstance(x, dict) and isinstance(y, dict):
-            yield from _diff(x, y, f"{prefix}{key}.")
-        elif x != y:
-            yield f"{prefix}{key}", x, y
 
 
 def check_point(point: Point, backend):
