@@ -14,7 +14,7 @@ from conftest import compose_run
 from xtrain import cli, config
 from xtrain.config import ConfigError, ModelArch, Precision, RunConfig, TrackerKind
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "xtrain" / "conf"
 
 # The public contract: renaming or removing one of these is a deliberate act (update this list).
 GOLDEN_KEYS = """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conftest import compose_run, xtrain_in_process
@@ -75,7 +77,8 @@ def llama_params(d=8192, layers=80, heads=64, kv=8, ff=28672, vocab=32000) -> in
 def test_dry_run_of_a_70b_config_on_a_cpu(tmp_path):
     run_dir = tmp_path / "run"
     proc = xtrain_in_process(f"run_dir={run_dir}", "dry_run=true", *LLAMA_70B, "strategy=zero2", "precision=bf16",
-                      "cluster.nodes=8", "cluster.num_processes=8", "cluster.gpu_memory_gb=80", "trainer.batch_size=1")
+                      "cluster.nodes=8", "cluster.num_processes=8", "cluster.main_process_port=29500",
+                      "cluster.gpu_memory_gb=80", "trainer.batch_size=1")
     out = proc.stdout
     n = llama_params()
     assert f"{n:,} parameters" in out
@@ -108,3 +111,65 @@ def test_dry_run_reports_a_deepspeed_json_conflict(tmp_path):
     assert proc.returncode == 2
     assert f"strategy.deepspeed_config={user}: sets train_micro_batch_size_per_gpu=2 but trainer.batch_size gives 16" \
         in proc.stderr
+
+
+@pytest.fixture
+def no_slurm_path(tmp_path) -> dict:
+    """A PATH with python's own directory and none of SLURM's commands."""
+    import shutil
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("git", "g++", "gcc"):
+        if shutil.which(tool):
+            (bin_dir / tool).symlink_to(shutil.which(tool))
+    return {"PATH": f"{Path(sys.executable).parent}:{bin_dir}"}
+
+
+def test_a_dry_run_of_a_sweep_prints_each_points_plan_and_starts_nothing(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", "trainer.batch_size=8,16", "dry_run=true")
+    out = proc.stdout
+    assert f"point 0 (trainer.batch_size=8): {sweep_dir / '0_batch_size=8'}" in out
+    assert f"point 1 (trainer.batch_size=16): {sweep_dir / '1_batch_size=16'}" in out
+    assert out.count("xtrain plan (dry run: nothing was launched)") == 2 and "micro 8 x" in out and "micro 16 x" in out
+    assert "sweep: 2 points" in out and "nothing was written or started" in out
+    assert not sweep_dir.exists()
+
+
+def test_a_dry_run_of_a_study_shows_its_space_and_corners_and_asks_nothing(tmp_path):
+    sweep_dir = tmp_path / "study"
+    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", "hydra/sweeper=xtrain_optuna", "hydra.sweeper.n_trials=6",
+                             "trainer.lr=tag(log,interval(1e-4,1e-2))", "trainer.batch_size=choice(8,16)", "dry_run=true")
+    out = proc.stdout
+    assert "study study in" in out and "6 trials, 1 at a time; minimize val_loss" in out
+    assert "trainer.lr: FloatDistribution(high=0.01, log=True, low=0.0001" in out
+    assert out.count("xtrain plan (dry run") == 4  # the space's corners: 2 lrs x 2 batch sizes
+    assert "nothing was asked, written or started" in out
+    assert not sweep_dir.exists()
+
+
+def test_a_dry_run_of_a_slurm_job_works_where_slurm_is_not_and_says_what_it_assumed(tmp_path, no_slurm_path):
+    run_dir, sweep_dir = tmp_path / "run", tmp_path / "sweep"
+    proc = xtrain_in_process(f"run_dir={run_dir}", "cluster=slurm", "cluster.nodes=2", "dry_run=true", env=no_slurm_path)
+    assert proc.stdout.startswith("slurm: not on this machine (no sbatch on PATH); assumed the default partition")
+    assert "slurm request: 2 node(s) of partition (the default), each one task of" in proc.stdout
+    assert "#SBATCH --nodes=2" in proc.stdout and "srun --unbuffered" in proc.stdout
+    assert not run_dir.exists()
+    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", "cluster=slurm", "trainer.lr=1e-3,2e-3", "dry_run=true",
+                             env=no_slurm_path)
+    assert proc.stdout.count("xtrain plan (dry run") == 2 and proc.stdout.count("#SBATCH --array=0-1%2") == 1
+    assert not sweep_dir.exists()
+    real = xtrain_in_process(f"run_dir={run_dir}", "cluster=slurm", check=False, env=no_slurm_path)
+    assert real.returncode == 2 and "sbatch is not on PATH" in real.stderr and not run_dir.exists()
+
+
+def test_a_dry_run_applies_every_check_the_real_run_applies(short_run, tmp_path):
+    """A resume the real run refuses, or a run dir that holds a run: the dry run refuses it the same way."""
+    for overrides, expected in [(["resume=auto", "model=tiny_llama"], "arch: checkpoint 'gpt2' vs run 'llama'"),
+                                ([], "already holds a run; continue it with resume=auto")]:
+        real = xtrain_in_process(f"run_dir={short_run}", *overrides, check=False)
+        dry = xtrain_in_process(f"run_dir={short_run}", *overrides, "dry_run=true", check=False)
+        assert real.returncode == dry.returncode == 2 and expected in real.stderr
+        assert dry.stderr == real.stderr and "runs here" not in dry.stdout

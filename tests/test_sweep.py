@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, assert_equal_weights, assert_one_line_error, compose_run, read_result, run_xtrain, xtrain_in_process
+from conftest import (REPO, assert_equal_weights, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain,
+                      start_xtrain, xtrain_in_process)
 
 # Small points: a few seconds each, in the driver.
 TINY = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2", "trainer.eval_every=3",
@@ -287,15 +288,43 @@ def test_hydra_finds_the_launcher_in_this_editable_install(tmp_path):
     assert "'LocalLauncher'" in out.stdout and "'OptunaSweeper'" in out.stdout and str(REPO / "launchers") in out.stdout
 
 
-def test_hydra_finds_the_launcher_in_a_regular_install(tmp_path):
-    """`pip install .` (a wheel, not editable) into its own folder, put first on the path."""
-    target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO)], check=True, capture_output=True, timeout=300)
-    out = subprocess.run([sys.executable, "-c", DISCOVER], cwd=tmp_path, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(target)})
-    assert "'LocalLauncher'" in out.stdout and "'SlurmLauncher'" in out.stdout and "'OptunaSweeper'" in out.stdout
-    assert str(target) in out.stdout
+def test_a_wheel_installed_in_a_fresh_environment_trains_sweeps_and_studies(tmp_path):
+    """The wheel `pip install .` builds, in a new virtual environment outside the checkout (its dependencies from this
+    one's site-packages, by a path entry: nothing is downloaded), trains a run, a sweep (xtrain's launcher) and a
+    study (its Optuna sweeper): every package the run needs is in the wheel, and Hydra finds both plugins."""
+    import sysconfig
+    import venv
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "dist"), str(REPO)], check=True, capture_output=True, timeout=300)
+    [wheel] = (tmp_path / "dist").glob("xtrain-*.whl")
+    env_dir = tmp_path / "env"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")  # after the env's own
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+
+    def xtrain(*overrides: str) -> str:
+        proc = subprocess.run([str(python), "-m", "xtrain", *overrides, *TINY], cwd=work, capture_output=True,
+                              text=True, timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    where = subprocess.run([str(python), "-c", "import xtrain, hydra_plugins.xtrain_launcher as p; print(xtrain.__file__,"
+                            " p.__file__)"], cwd=work, capture_output=True, text=True, check=True).stdout
+    assert where.count(str(site)) == 2 and str(REPO) not in where  # the wheel's, not this checkout's
+    found = subprocess.run([str(python), "-c", DISCOVER], cwd=work, capture_output=True, text=True, check=True).stdout
+    assert "'LocalLauncher'" in found and "'SlurmLauncher'" in found and "'OptunaSweeper'" in found
+    xtrain("run_dir=run")
+    assert read_result(work / "run")["status"] == "completed"
+    assert "sweep done: 2 points" in xtrain("-m", "run_dir=sweep", "trainer.lr=1e-3,2e-3")
+    assert "study done: 2 trials" in xtrain("-m", "run_dir=study", "hydra/sweeper=xtrain_optuna",
+                                            "hydra.sweeper.n_trials=2", "trainer.lr=interval(1e-3,2e-3)")
 
 
 def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
@@ -315,3 +344,46 @@ def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
         check_parallel(points, 3, gpus=2)
     with pytest.raises(ConfigError, match=r"hydra.launcher.n_jobs=0: must be >= 1"):
         check_parallel(points, 0, gpus=0)
+
+
+def test_a_parallel_point_whose_process_is_killed_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """Point 0's own process is killed (-9) while it trains: its result.json says so (not `running` for ever), the
+    summary counts it failed, and the other point completes."""
+    sweep_dir = tmp_path / "sweep"
+    proc = start_xtrain("-m", f"run_dir={sweep_dir}", "trainer.max_steps=3000,6", "trainer.log_every=1",
+                        "trainer.save_every=1000", "hydra.launcher.n_jobs=2")
+    long_point = sweep_dir / "0_max_steps=3000"
+    deadline = time.time() + 300
+    while not ((long_point / "metrics.jsonl").exists() and len(read_metrics(long_point)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.1)
+    [victim] = [p for p in psutil.process_iter(["cmdline"])
+                if "xtrain.backends.local" in (p.info["cmdline"] or []) and str(long_point) in p.info["cmdline"]]
+    victim.kill()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    result = read_result(long_point)
+    assert result["status"] == "failed"
+    assert result["error"] == "its process was killed by SIGKILL before the run recorded an end"
+    assert [r["status"] for r in csv_rows(sweep_dir)] == ["failed", "completed"]
+    assert "point 0 (trainer.max_steps=3000) failed: its process was killed by SIGKILL" in err
+
+
+def test_a_gpu_slot_is_free_only_once_the_points_process_has_exited(tmp_path):
+    """A point whose run recorded its end frees a slot of CPU cores at once, a slot of GPUs only when its process has
+    exited: until then that process holds the GPUs' memory, and the next point would start beside it."""
+    from xtrain import run_dir as rundir
+    from xtrain.backends.local import slot_is_free
+    from xtrain.run_dir import Point
+
+    point = Point(0, [], compose_run(f"run_dir={tmp_path / 'point'}"))
+    point.path.mkdir()
+    rundir.update_result(point.path, {"status": "completed"})
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert slot_is_free(exiting, point, {"cores": [0]})
+        assert not slot_is_free(exiting, point, {"gpus": ["0"]})
+    finally:
+        exiting.kill()
+        exiting.wait()
+    assert slot_is_free(exiting, point, {"gpus": ["0"]})

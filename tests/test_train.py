@@ -141,3 +141,11 @@ def test_fused_adamw_follows_the_default_update(tmp_path, short_run):
     xtrain_in_process(f"run_dir={run_dir}", *SHORT, "trainer.fused_optimizer=true")
     fused, default = train_losses(run_dir), train_losses(short_run)
     assert len(fused) == len(default) == 3 and fused == pytest.approx(default, rel=1e-4)
+
+
+def test_the_perplexity_of_a_huge_finite_loss_is_infinite_not_an_error():
+    """exp(loss) overflows a float past ~709.8: a finite loss there is a perplexity of inf, not an OverflowError."""
+    from xtrain.evaluation import perplexity
+
+    assert perplexity(2.0) == pytest.approx(math.exp(2.0)) and perplexity(709.0) < math.inf
+    assert perplexity(710.0) == math.inf and perplexity(1e6) == math.inf

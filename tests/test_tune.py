@@ -243,3 +243,39 @@ def test_a_failed_trial_is_retried_then_told_failed(tmp_path):
     assert proc.stdout.count("retry 1 of 1") == 1
     [point] = point_dirs(sweep_dir)
     assert read_result(point)["status"] == "failed"
+
+
+def _queue_again_twenty(sweep_dir: str, worker: int, start) -> None:
+    """One of a study's SLURM workers putting trials back in the study's queue, under the workers' lock."""
+    from xtrain import search_space, study, study_workers, tune
+    from xtrain.backends import local
+
+    settings = study.StudySettings(storage=str(Path(sweep_dir) / study.JOURNAL), study_name="queue")
+    run = tune.Study(settings, search_space.parse(["trainer.lr=interval(1e-4,1e-2)"]), Path(sweep_dir), None, local,
+                     resume=True)
+    run.claiming = lambda: study_workers.claiming(Path(sweep_dir))
+    run.optuna = study.load(settings, sampler=study.make_sampler({"_target_": "optuna.samplers.RandomSampler"}))
+    start.wait(120)  # all four at once
+    for i in range(20):
+        run.queue_again(worker * 100 + i)
+
+
+def test_workers_putting_trials_back_at_once_lose_none(tmp_path):
+    """Four processes, as a study's SLURM workers do when their trials fail, each queue 20 trials to run again at
+    the same time: the study's queue holds all 80 (read and rewritten under the lock, none is lost)."""
+    import multiprocessing
+
+    from xtrain import study, tune
+
+    settings = study.StudySettings(storage=str(tmp_path / study.JOURNAL), study_name="queue")
+    study.load(settings, sampler=study.make_sampler({"_target_": "optuna.samplers.RandomSampler"}))  # created
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(4)
+    workers = [ctx.Process(target=_queue_again_twenty, args=(str(tmp_path), w, start)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+        assert w.exitcode == 0
+    queued = study.load(settings).user_attrs[tune.AGAIN]
+    assert sorted(queued) == sorted(w * 100 + i for w in range(4) for i in range(20))

@@ -1,4 +1,4 @@
-"""`python -m xtrain`: Hydra composes conf/ over the typed schema, then the backend of `cluster.kind` runs it.
+"""`python -m xtrain`: Hydra composes xtrain/conf/ over the typed schema, then the backend of `cluster.kind` runs it.
 
 User errors (bad values, unknown keys, missing files) end as one line on stderr and
 exit code 2. This module imports neither torch nor transformers: `--cfg job` and
@@ -36,11 +36,11 @@ GROUP_SCHEMAS = {
 
 
 def register_schemas() -> None:
-    make_launchers_visible()  # conf/config.yaml names hydra/launcher=xtrain
+    make_launchers_visible()  # xtrain/conf/config.yaml names hydra/launcher=xtrain
     store = ConfigStore.instance()
     store.store(name="run_config", node=RunConfig)
     for group, schema in GROUP_SCHEMAS.items():
-        store.store(group=f"schema/{group}", name="base", node=schema)  # extended by conf/<group>/*.yaml
+        store.store(group=f"schema/{group}", name="base", node=schema)  # extended by xtrain/conf/<group>/*.yaml
 
 
 def fail(message: str) -> None:
@@ -108,7 +108,7 @@ def main() -> None:
         hydra_main()
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         if "xtrain.sweep" in sys.modules:  # a sweep refused before it ran: its dir as it was
-            sys.modules["xtrain.sweep"].undo_refused_sweep()
+            sys.modules["xtrain.sweep"].restore_sweep_dir()
         _report_refusal(err)
     except SweepFailed as err:  # one line per failed point; the summary has them all
         for line in str(err).splitlines():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 
 import torch
@@ -14,6 +15,11 @@ from xtrain import tasks
 from xtrain.config import RunConfig
 
 log = logging.getLogger("xtrain")
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss); infinite past what a float holds (a finite loss above ~709.8: math.exp raises there)."""
+    return math.exp(loss) if loss < math.log(sys.float_info.max) else math.inf
 
 
 @torch.no_grad()
@@ -32,8 +38,8 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dic
     """Evaluate, log, answer the sample prompts, and add the time it took to `eval_time_s` (this attempt's)."""
     start = time.perf_counter()
     val_loss = evaluate(accelerator, c.task, c.model, c.val_loader)
-    accelerator.log({"val/loss": val_loss, "val/ppl": math.exp(val_loss)}, step=step)
-    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, math.exp(val_loss))
+    accelerator.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step=step)
+    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, perplexity(val_loss))
     if cfg.trainer.sample_prompts:
         log_samples(accelerator, cfg, c, step)
     result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)

@@ -1,5 +1,5 @@
 """What `python -m xtrain --help` and the docs' reference say, from one source each: a group's options are the
-YAML files in conf/ (each described by its first comment line), a setting's description is the docstring under
+YAML files in xtrain/conf/ (each described by its first comment line), a setting's description is the docstring under
 its field in the schema (config.py, cluster_config.py, lora_config.py).
 
 This module imports neither torch nor transformers.
@@ -39,7 +39,7 @@ def options(group: str) -> dict[str, str]:
 
 
 def defaults() -> dict[str, str | None]:
-    """Each group's default option, as conf/config.yaml's defaults list has it."""
+    """Each group's default option, as xtrain/conf/config.yaml's defaults list has it."""
     entries = yaml.safe_load(files("xtrain.conf").joinpath("config.yaml").read_text())["defaults"]
     chosen: dict[str, str | None] = {}
     for entry in entries:

@@ -7,9 +7,11 @@ driver checks everything it can before anything starts, creates the run dir and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -28,10 +30,12 @@ ACCELERATE_CONFIG = "accelerate_config.yaml"
 DEEPSPEED_CONFIG = "deepspeed.json"
 
 
-def preflight(cfg: RunConfig) -> plugins.ModelFacts:
+def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts.
-    What only a cluster can tell (partitions, nodes) its backend checks (`check`) before this."""
-    hardware.check(cfg)
+    What only a cluster can tell (partitions, nodes) its backend checks (`check`) before this. `planning` (a dry
+    run): what this machine's hardware cannot run is for the plan to say, not a refusal; every other check holds."""
+    if not planning:
+        hardware.check(cfg)
     c = cfg.cluster
     if c.kind is ClusterKind.local and c.nodes > 1 and c.main_process_port is None:
         raise ConfigError(
@@ -156,6 +160,28 @@ def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
     if cfg.cluster.nodes > 1 and cfg.cluster.kind is ClusterKind.local:
         announce(cfg, path)
     return path
+
+
+@contextlib.contextmanager
+def taken_back_if_refused(path: Path):
+    """What a launch writes into the run dir `path` is taken back if it is refused (a ConfigError) before anything
+    ran: the entries it added removed, the files it rewrote (run.yaml, the accelerate files) restored, and `path`
+    itself removed where it was not there. Nothing else is touched: a run dir may hold files of the user's."""
+    existed = path.is_dir()
+    before = {p.name for p in path.iterdir()} if existed else set()
+    kept = {name: (path / name).read_bytes() for name in (run_dir.RUN_CONFIG, ACCELERATE_CONFIG, DEEPSPEED_CONFIG)
+            if (path / name).is_file()}
+    try:
+        yield
+    except ConfigError:
+        for entry in (path.iterdir() if path.is_dir() else []):
+            if entry.name not in before:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        for name, content in kept.items():
+            write_atomic(path / name, content)
+        if not existed and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise
 
 
 def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:

@@ -344,7 +344,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
         p.window = Window()
     if step % t.eval_every == 0 or last:
         result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
-        result["val_ppl"] = math.exp(result["val_loss"])
+        result["val_ppl"] = evaluation.perplexity(result["val_loss"])
         p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)

@@ -37,7 +37,9 @@ def note_sweep_dir(sweep_dir: Path) -> None:
                              record=record.read_bytes() if record.exists() else None)
 
 
-def undo_refused_sweep() -> None:
+def restore_sweep_dir() -> None:
+    """The sweep dir as `note_sweep_dir` found it (a refused sweep, a dry run): multirun.yaml as it was, the dir
+    gone where it was not there."""
     if not _sweep_dir_before:
         return
     sweep_dir, record = _sweep_dir_before["dir"], _sweep_dir_before["record"]
@@ -141,6 +143,26 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
     for point, facts in todo:
         launch.write_run_dir(point.cfg, facts)
     return [point for point, _ in todo]
+
+
+def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
+    """Every point's checks and plan as the sweep would run them (and for SLURM the job arrays' scripts); nothing is
+    written, asked or started."""
+    for point in points:
+        try:
+            if point.cfg.resume == "auto":
+                check_same_config(point)
+                if completed(point.path, point.cfg):
+                    print(f"point {point.num} ({point.label}): completed in {point.path}; a resumed sweep skips it\n")
+                    continue
+            text = backend.describe(point.cfg, script=False)
+        except ConfigError as err:
+            raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
+        print(f"point {point.num} ({point.label}): {point.path}\n{text}\n")
+    for script in backend.scripts(points, sweep_dir, **options):
+        print(f"sbatch script (nothing submitted):\n{script}")
+    print(f"sweep: {len(points)} points in {sweep_dir} (dry run: nothing was written or started)")
+    restore_sweep_dir()
 
 
 def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, **options) -> None:

@@ -40,6 +40,7 @@ class Study:
         self.resume = resume
         self.on_slurm = backend.__name__.endswith(".slurm")
         self.corners: list[Point] = []
+        self.plans: list[str] = []  # a dry run's: each corner's
         self.claiming = contextlib.nullcontext  # (a lock where several workers ask: study_workers.py)
         self.optuna = None
 
@@ -59,7 +60,10 @@ class Study:
         for swept in corners:
             try:
                 points.append(self.plan(-1, swept, probe=True))
-                sweep.check_point(points[-1], self.backend)
+                if points[-1].cfg.dry_run:  # its plan, after every check but this machine's hardware
+                    self.plans.append(self.backend.describe(points[-1].cfg, script=False))
+                else:
+                    sweep.check_point(points[-1], self.backend)
             except ConfigError as err:
                 raise ConfigError(f"the search space's corner {' '.join(swept)} cannot run: "
                                   f"{str(err).split(': ', 1)[-1]}") from None
@@ -69,6 +73,25 @@ class Study:
         log.info("study: %d trials, %s %s, sampler %s, pruner %s; the space's %d corner(s) checked",
                  self.s.n_trials, self.s.direction, self.s.objective, self.s.sampler["_target_"].split(".")[-1],
                  self.s.pruner, len(corners))
+
+    def dry_run(self) -> None:
+        """What the study would do: its settings, its space, the plan of each of its corners (on SLURM, the workers'
+        sbatch script). Nothing is asked, written or started."""
+        s = self.s
+        print(f"study {s.study_name} in {self.sweep_dir}: {s.n_trials} trials, {s.n_jobs} at a time; {s.direction} "
+              f"{s.objective}; sampler {s.sampler['_target_'].split('.')[-1]}, pruner {s.pruner}; storage {s.storage}")
+        for key, distribution in self.space.distributions.items():
+            print(f"  {key}: {distribution}")
+        for point, text in zip(self.corners, self.plans):
+            print(f"\ncorner ({point.label}):\n{text}")
+        if self.on_slurm:
+            from xtrain.slurm.submit import sbatch_script
+
+            count = min(s.n_jobs, s.n_trials)
+            script = sbatch_script(self.corners[0].cfg, self.sweep_dir / "logs", array=count, array_parallelism=count)
+            print(f"\nsbatch script of the {count} worker(s) (nothing submitted):\n{script}")
+        print("study: dry run: nothing was asked, written or started")
+        sweep.restore_sweep_dir()
 
     def plan(self, num: int, swept: list[str], probe: bool = False) -> Point:
         """A trial's point: `swept` as sampled; its name and label with 4 significant digits."""
@@ -127,8 +150,10 @@ class Study:
         return Point(number, attrs["overrides"], config.load(str(self.sweep_dir / attrs["point"] / rundir.RUN_CONFIG)))
 
     def queue_again(self, number: int) -> None:
-        """A trial to run (continue, retry) before new ones are asked: kept in the study, for every worker."""
-        self.optuna.set_user_attr(AGAIN, [*self.optuna.user_attrs.get(AGAIN, []), number])
+        """A trial to run (continue, retry) before new ones are asked: kept in the study, for every worker. The
+        queue is read and written back under the lock `next_point` takes, or one worker's entry could be lost."""
+        with self.claiming():
+            self.optuna.set_user_attr(AGAIN, [*self.optuna.user_attrs.get(AGAIN, []), number])
 
     def next_point(self) -> Point | None:
         """A point to retry or continue, or a new trial's, written and ready; None when every trial is asked."""

@@ -36,12 +36,24 @@ def check(cfg: RunConfig) -> None:
     """Nothing beyond `launch.preflight`: this machine is the cluster."""
 
 
+def describe(cfg: RunConfig, script: bool = True) -> str:
+    """A dry run: every check the real run makes (but what this machine's hardware cannot run, which the plan
+    says), then the plan. Nothing is written or started."""
+    rundir.check_free(cfg)
+    launch.preflight(cfg, planning=True)
+    return plan.render(plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb()))
+
+
+def scripts(points: list[Point], sweep_dir: Path, **options) -> list[str]:
+    """A sweep's job scripts (a dry run shows them): none here."""
+    return []
+
+
 def run(cfg: RunConfig) -> dict:
     """The CLI's single run: check, write the run dir, train (or print the plan: dry_run)."""
     if cfg.dry_run:
-        the_plan = plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb())
-        print(plan.render(the_plan))
-        return {"dry_run": True, "fits": the_plan.fits}
+        print(describe(cfg))
+        return {"dry_run": True}
     facts = launch.preflight(cfg)
     prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
     return run_here(cfg, launch.write_or_wait(cfg, facts), data_ready=True)
@@ -229,8 +241,10 @@ def _run_parallel(take: Callable[[], Point | None], on_end: Callable[[Point], No
                 break
             time.sleep(0.05)  # a slot's idle time between points: this, and asking, composing and writing the next
             exiting = [p for p in exiting if p.poll() is None]
-            for proc in [p for p in running if p.poll() is not None or trained(running[p][0])]:
+            for proc in [p for p in running if slot_is_free(p, *running[p])]:
                 point, slot = running.pop(proc)
+                if proc.returncode is not None:  # what its process did not record (killed, crashed), it could not
+                    rundir.record_end(point.path, rundir.Status.failed, ended_without_record(proc.returncode))
                 free.append(slot)
                 exiting.append(proc)
                 on_end(point)
@@ -245,10 +259,19 @@ def _run_parallel(take: Callable[[], Point | None], on_end: Callable[[Point], No
         raise
 
 
-def trained(point: Point) -> bool:
-    """Its run recorded how it ended (completed, or pruned): the slot is free while its process exits (~1.5 s
-    of interpreter and library shutdown, which the next point need not wait for)."""
-    return rundir.read_result(point.path).get("status") in (rundir.Status.completed, rundir.Status.pruned)
+def slot_is_free(proc: subprocess.Popen, point: Point, slot: dict) -> bool:
+    """The point's process has exited; or, on a slot of CPU cores, its run has recorded how it ended (completed,
+    or pruned), and the next point need not wait the ~1.5 s of its interpreter's shutdown. A slot of GPUs waits for
+    the exit: until then the process holds their memory."""
+    if proc.poll() is not None:
+        return True
+    return "cores" in slot and rundir.read_result(point.path).get("status") in (rundir.Status.completed,
+                                                                               rundir.Status.pruned)
+
+
+def ended_without_record(code: int) -> str:
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"its process {how} before the run recorded an end"
 
 
 def main() -> None:

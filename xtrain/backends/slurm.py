@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -22,35 +21,50 @@ from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, LaunchFailed, Stopped, SweepFailed
 from xtrain.run_dir import LOGS, Point
 from xtrain.slurm.monitor import cancel, follow, settle
-from xtrain.slurm.submit import check, job_parameters, request_line, resolve_request, sbatch_script, submit
+from xtrain.slurm.submit import (ASSUMED, assumed, check, job_parameters, request_line, resolve_request, sbatch_script,
+                                 slurm_here, submit)
 
 log = logging.getLogger("xtrain")
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """On the submitting machine: GPUs and CPUs per node from the partition (on a node: resolved already)."""
-    return resolve_request(cfg) if hardware.submitting_to_slurm(cfg) else cfg
+    """On the submitting machine: GPUs and CPUs per node from the partition (on a node: resolved already). A dry
+    run where SLURM is not assumes what `assumed` says."""
+    if not hardware.submitting_to_slurm(cfg):
+        return cfg
+    return assumed(cfg) if cfg.dry_run and not slurm_here() else resolve_request(cfg)
+
+
+def describe(cfg: RunConfig, script: bool = True) -> str:
+    """A dry run: every check the real submission makes (SLURM's own where it is here), the plan, the request and
+    (`script`) the sbatch script. Nothing is written or submitted."""
+    lines = []
+    if slurm_here():
+        check(cfg)
+    else:
+        lines.append(f"slurm: not on this machine (no sbatch on PATH); assumed {ASSUMED}: set cluster.partition, "
+                     "cluster.gpus_per_node and cluster.cpus_per_task to plan the request you will make")
+    rundir.check_free(cfg)
+    launch.preflight(cfg, planning=True)
+    lines += [plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)), request_line(cfg)]
+    if script:
+        lines.append(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, Path(cfg.run_dir) / LOGS)}")
+    return "\n".join(lines)
 
 
 def run(cfg: RunConfig) -> dict:
     """`python -m xtrain cluster=slurm ...`: check, write the run dir, submit one job, follow it."""
+    if cfg.dry_run:
+        print(describe(cfg))
+        return {"dry_run": True}
     check(cfg)
     facts = launch.preflight(cfg)
     folder = Path(cfg.run_dir) / LOGS
-    if cfg.dry_run:
-        print(plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)))
-        print(request_line(cfg))
-        print(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, folder)}")
-        return {"dry_run": True}
-    fresh = not (Path(cfg.run_dir) / rundir.RUN_CONFIG).exists()
-    path = launch.write_run_dir(cfg, facts)
-    log.info("%s", request_line(cfg))
-    try:
+    # sbatch refused (or the controller went away since the checks): the run dir as it was
+    with launch.taken_back_if_refused(Path(cfg.run_dir)):
+        path = launch.write_run_dir(cfg, facts)
+        log.info("%s", request_line(cfg))
         [job] = submit([(job_parameters(cfg), [path])], folder)
-    except ConfigError:  # sbatch refused (or the controller went away since the checks): nothing half-written
-        if fresh:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
     log.info("submitted SLURM job %s: run dir %s", job.job_id, path)
     if not cfg.cluster.wait:
         log.info("not waiting (cluster.wait=false); see it with: python -m xtrain.status %s", path)
@@ -80,6 +94,21 @@ def _show_failing_rank(path: Path) -> None:
         sys.stderr.write(error["traceback"])
 
 
+def arrays(points: list[Point], array_parallelism: int) -> list[tuple[dict, list[Point]]]:
+    """The points in job arrays: one per set of job parameters."""
+    groups: dict[str, tuple[dict, list[Point]]] = {}
+    for point in points:
+        params = {**job_parameters(point.cfg), "array_parallelism": array_parallelism}
+        groups.setdefault(json.dumps(params, sort_keys=True), (params, []))[1].append(point)
+    return list(groups.values())
+
+
+def scripts(points: list[Point], sweep_dir: Path, *, array_parallelism: int = 256) -> list[str]:
+    """The sbatch script of each job array the sweep's points would be submitted as (a dry run shows them)."""
+    return [sbatch_script(group[0].cfg, sweep_dir / LOGS, array=len(group), array_parallelism=array_parallelism)
+            for _, group in arrays(points, array_parallelism)]
+
+
 def check_points(points: list[Point], *, array_parallelism: int = 256) -> None:
     if array_parallelism < 1:
         raise ConfigError(f"hydra.launcher.array_parallelism={array_parallelism}: must be >= 1")
@@ -89,11 +118,8 @@ def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], N
                array_parallelism: int = 256) -> bool:
     """Submit already-written points (one job array per set of job parameters) and follow them, `on_end` each
     as it ends; False if they were left queued (cluster.wait=false). Ctrl-C cancels them: SweepFailed."""
-    groups: dict[str, tuple[dict, list[Path]]] = {}
-    for point in points:
-        params = {**job_parameters(point.cfg), "array_parallelism": array_parallelism}
-        groups.setdefault(json.dumps(params, sort_keys=True), (params, []))[1].append(point.path)
-    jobs = submit(list(groups.values()), sweep_dir / LOGS) if points else []
+    groups = [(params, [p.path for p in group]) for params, group in arrays(points, array_parallelism)]
+    jobs = submit(groups, sweep_dir / LOGS) if points else []
     by_path = {p.path: p for p in points}
     for job in jobs:
         job.label = f"point {by_path[job.path].num}"

@@ -38,9 +38,26 @@ class Partition:
     default: bool
 
 
+def slurm_here() -> bool:
+    return shutil.which("sbatch") is not None and shutil.which("sinfo") is not None
+
+
+ASSUMED = "the default partition, no GPU (gpus_per_node=auto), all of this machine's CPUs per node (cpus_per_task=all)"
+
+
+def assumed(cfg: RunConfig) -> RunConfig:
+    """A dry run where SLURM is not: the request's `auto`s as ASSUMED says (numbers given are kept)."""
+    import os
+
+    c = cfg.cluster
+    gpus = "0" if c.gpus_per_node == "auto" else c.gpus_per_node
+    cpus = str(os.cpu_count() or 1) if c.cpus_per_task == "all" else c.cpus_per_task
+    return replace(cfg, cluster=replace(c, gpus_per_node=gpus, cpus_per_task=cpus))
+
+
 def require_slurm() -> None:
     """SLURM's commands are on this machine: else one line that says where to submit from."""
-    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+    if not slurm_here():
         raise ConfigError(
             "cluster=slurm: sbatch is not on PATH; submit from a SLURM login node (load its module first), "
             "or use cluster=local"
@@ -127,7 +144,8 @@ def request_line(cfg: RunConfig) -> str:
     """What the job asks SLURM for, in words (the plan's line; `on CPUs` where it asks for no GPU)."""
     c = cfg.cluster
     gpus = f"{c.gpus} GPU(s)" if c.gpus else "no GPU: on CPUs"
-    return (f"slurm request: {c.nodes} node(s) of partition {partition_of(c).name}, each one task of "
+    partition = partition_of(c).name if slurm_here() else (c.partition or "(the default)")
+    return (f"slurm request: {c.nodes} node(s) of partition {partition}, each one task of "
             f"{c.cpus_per_task} CPUs and {gpus}, running {c.processes_per_node} worker process(es)")
 
 
@@ -194,12 +212,14 @@ def as_from_a_login_node():
         os.environ.update(own)
 
 
-def sbatch_script(cfg: RunConfig, folder: Path) -> str:
-    """The script `submit` would hand to sbatch (for dry_run)."""
+def sbatch_script(cfg: RunConfig, folder: Path, array: int | None = None, array_parallelism: int = 256) -> str:
+    """The script `submit` would hand to sbatch (for dry_run): one job, or a job array of `array` tasks."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     params = job_parameters(cfg)
     command = f"{params.pop('python')} -u -m submitit.core._submit {folder}"
+    if array is not None:
+        params.update(map_count=array, array_parallelism=array_parallelism)
     return _make_sbatch_string(command=command, folder=folder, **params)
 
 

@@ -53,6 +53,10 @@ class _XtrainLauncher(Launcher):
                                   f"under hydra/launcher={self.name}, {self.wrong_kind}")
         backend = self.backend()
         backend.check_points(points, **self.options)
+        if points and points[0].cfg.dry_run:
+            sweep.dry_run(points, self.sweep_dir, backend, **self.options)
+            return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
+                              status=JobStatus.COMPLETED, _return_value=None) for o, p in zip(overrides, points)]
         todo = sweep.prepare_all(points, self.sweep_dir, backend)
         sweep.run(points, todo, self.sweep_dir, backend, **self.options)  # raises SweepFailed if any point failed
         return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",

@@ -65,14 +65,17 @@ class OptunaSweeper(Sweeper):
         run = tune.Study(settings, space, self.sweep_dir, self.launcher.compose, self.launcher.backend(),
                          resume=self.config.get("resume") == "auto")
         run.check()
-        if run.on_slurm:  # its workers: a job array, each asking for trials and running them
+        if run.on_slurm:
             from xtrain import study_workers
 
             study_workers.check(run)
-            run.open()
+        if self.config.get("dry_run"):
+            run.dry_run()
+            return
+        run.open()
+        if run.on_slurm:  # its workers: a job array, each asking for trials and running them
             study_workers.run(run)
         else:
-            run.open()
             run.run()
 
 
