@@ -9,7 +9,7 @@ READY := $(VENV)/.xtrain-ready
 
 TEST_READY := $(VENV)/.xtrain-test-ready
 
-.PHONY: setup run test bench
+.PHONY: setup run test test-fast docs bench
 setup: $(READY)
 
 $(READY): pyproject.toml
@@ -30,6 +30,14 @@ $(TEST_READY): $(READY)
 
 test: $(TEST_READY)
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 $(ARGS)
+
+# For local iteration only: skips the tests marked slow (CI runs everything: make test).
+test-fast: $(TEST_READY)
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 -m "not slow" $(ARGS)
+
+# The docs site at http://127.0.0.1:8000 (rebuilt on every change).
+docs: $(READY)
+	$(BIN)/python -m mkdocs serve
 
 bench: $(TEST_READY)
 	$(BIN)/python benchmarks/throughput.py

@@ -179,7 +179,7 @@ def test_one_process_fsdp_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp_
 
 
 def test_fsdp1_cannot_run_on_a_cpu(tmp_path):
-    """torch's FSDP1 computes on an accelerator only: the README states this error. (With the default
+    """torch's FSDP1 computes on an accelerator only: the docs (Strategies and precision) state this error. (With the default
     cpu_ram_efficient_loading=true Accelerate's plugin fails earlier: no device for sync_module_states.)"""
     proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "strategy=fsdp", "strategy.fsdp_version=1",
                       "strategy.cpu_ram_efficient_loading=false", *SHARDED, check=False, env=FSDP_ON_CPU)

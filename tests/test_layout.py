@@ -1,4 +1,4 @@
-"""The module layout the README describes: imports point one way, and result.json has one writer."""
+"""The module layout the docs describe (concepts/flow.md): imports point one way, and result.json has one writer."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ def test_write_atomic_uses_a_temp_file_of_its_own_and_leaves_none(tmp_path, monk
 
 @pytest.mark.parametrize("exchange", [True, False])
 def test_replace_dir_swaps_in_the_new_version(tmp_path, monkeypatch, exchange):
-    """With RENAME_EXCHANGE the swap is one step; where a filesystem lacks it, two renames (README)."""
+    """With RENAME_EXCHANGE the swap is one step; where a filesystem lacks it, two renames (docs: the run dir)."""
     if not exchange:
         monkeypatch.setattr(files, "_exchange", lambda a, b: False)
     final, tmp = tmp_path / "model", tmp_path / ".tmp-model"

@@ -36,7 +36,9 @@ def looks_like_secret(name: str) -> bool:
 @dataclass
 class ClusterConfig:
     kind: ClusterKind = ClusterKind.local
+    """Where the run runs: this machine or a SLURM job; each option of the `cluster` group sets it."""
     nodes: int = 1
+    """Machines the run spans (one task each under SLURM; several local nodes need node_rank and the rendezvous)."""
     node_rank: int = 0
     """This machine's rank among the nodes (0: the one that writes the run dir)."""
     num_processes: str = "auto"
@@ -61,17 +63,23 @@ class ClusterConfig:
     time_limit: str = "01:00:00"
     """SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     partition: Optional[str] = None
+    """SLURM: the partition (default: the cluster's default partition)."""
     account: Optional[str] = None
+    """SLURM: `--account`."""
     qos: Optional[str] = None
+    """SLURM: `--qos`."""
     constraint: Optional[str] = None
+    """SLURM: `--constraint` (node features)."""
     exclude: Optional[str] = None
     """Nodes not to run on, e.g. `n[3-4]`."""
     job_name: str = "xtrain"
+    """SLURM: the job's name in squeue."""
     sbatch_args: Dict[str, str] = field(default_factory=dict)
     """More `#SBATCH --key=value` lines, e.g. {mail-type: END}."""
     setup: List[str] = field(default_factory=list)
     """Shell lines run before the job's srun (module loads, environment activation)."""
     srun_args: List[str] = field(default_factory=list)
+    """SLURM: more arguments for the `srun` line that starts each node's task."""
     container_image: Optional[str] = None
     """Run every node's task in this image (pyxis: srun --container-image); xtrain must be installed in it."""
     container_mounts: Optional[str] = None

@@ -101,14 +101,19 @@ class ModelConfig:
     name_or_path: Optional[str] = None
     """For `source=pretrained`: a hub id or a local directory holding the model and its tokenizer."""
     hidden_size: int = 128
+    """Width of the built-in model (`source=config`)."""
     num_layers: int = 4
+    """Transformer blocks of the built-in model."""
     num_heads: int = 4
+    """Attention heads of the built-in model (hidden_size must divide by it)."""
     num_kv_heads: Optional[int] = None
     """Llama only: key/value heads for grouped-query attention (default: num_heads)."""
     intermediate_size: int = 512
+    """Width of the built-in model's MLP."""
     vocab_size: int = 2048
     """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
     dropout: float = 0.0
+    """Dropout of the built-in model (attention, residual and embedding)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
@@ -140,6 +145,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: DataSource = DataSource.pydoc
+    """Where the data comes from; each option of the `data` group sets it."""
     files: List[str] = field(default_factory=list)
     """For `source=text`: files, directories or globs (formats: xtrain/data/sources.py)."""
     name: Optional[str] = None
@@ -147,6 +153,7 @@ class DataConfig:
     config_name: Optional[str] = None
     """For `source=hf`: the hub dataset's configuration, if it has several."""
     split: str = "train"
+    """For `source=hf`: the dataset's split to read (the val split is drawn from it)."""
     text_column: str = "text"
     """The column that holds each record's text (record formats and `source=hf`)."""
     block_size: int = 128
@@ -189,6 +196,7 @@ class DataConfig:
 @dataclass
 class StrategyConfig:
     name: Strategy = Strategy.ddp
+    """The distributed strategy; each option of the `strategy` group sets it."""
     # ZeRO (DeepSpeed) ------------------------------------------------------------------
     offload_optimizer: Offload = Offload.none
     """zero1/2/3: where optimizer states live (`cpu`, `nvme`)."""
@@ -200,12 +208,15 @@ class StrategyConfig:
     """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
     # FSDP --------------------------------------------------------------------------------
     fsdp_version: int = 2
+    """FSDP's implementation: 2 (`fully_shard`, the default) or 1 (FSDP1)."""
     sharding: FsdpSharding = FsdpSharding.full_shard
+    """FSDP1's sharding strategy (FSDP2 shards fully; see `reshard_after_forward`)."""
     cpu_offload: bool = False
     """Parameters (and their gradients, optimizer states) on the CPU between uses."""
     wrap_layer: Optional[str] = None
     """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
     activation_checkpointing: bool = False
+    """Recompute each wrapped block's activations in backward instead of keeping them."""
     state_dict_type: StateDictType = StateDictType.sharded
     """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
     reshard_after_forward: bool = True
@@ -246,6 +257,7 @@ class StrategyConfig:
 @dataclass
 class PrecisionConfig:
     name: Precision = Precision.fp32
+    """Mixed precision; each option of the `precision` group sets it."""
     fp8_backend: Fp8Backend = Fp8Backend.te
     """precision=fp8 only: `te` (Transformer Engine), `torchao` or `msamp`."""
 
@@ -255,20 +267,29 @@ class TrainerConfig:
     batch_size: int = 16
     """Per-device micro batch, in sequences."""
     grad_accum: int = 1
+    """Micro batches per optimizer step."""
     max_steps: int = 300
     """Optimizer steps."""
     lr: float = 2e-3
+    """Peak learning rate (AdamW), reached after warmup_steps, then cosine decay to min_lr_ratio x lr."""
     warmup_steps: int = 30
+    """Optimizer steps of linear warmup from 0 to lr."""
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (not on biases and norms)."""
     max_grad_norm: float = 1.0
     """0 disables clipping."""
     eval_every: int = 100
+    """Evaluate every this many optimizer steps (and at step 0 and the end)."""
     save_every: int = 100
+    """Write a checkpoint every this many optimizer steps (and at the end)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept in the run dir: the newest this many."""
     log_every: int = 10
+    """Log a train row (metrics.jsonl, trackers, a log line) every this many optimizer steps."""
     seed: int = 0
+    """Seeds the model's init, the data order and every rank's RNGs."""
     fused_optimizer: bool = False
     """AdamW as one fused kernel over all parameters (torch's `fused=True`): faster on GPUs, equal to the
     default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
@@ -276,6 +297,7 @@ class TrainerConfig:
     """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
     has one): logged, written to samples.jsonl and sent to the trackers."""
     sample_max_tokens: int = 48
+    """New tokens per answer to `sample_prompts` (greedy)."""
     compile: bool = False
     """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
     start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
@@ -295,6 +317,7 @@ class TrainerConfig:
 @dataclass
 class TrackerConfig:
     kind: TrackerKind = TrackerKind.none
+    """Where metrics go besides metrics.jsonl; each option of the `tracker` group sets it."""
     project: str = "xtrain"
     """Project name for TensorBoard / W&B."""
     wandb_mode: str = "auto"

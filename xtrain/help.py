@@ -83,3 +83,67 @@ def text() -> str:
     lines += [f"  {command:<38} {about}" for command, about in COMMANDS.items()]
     lines += ["", "Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m (--multirun)."]
     return "\n".join(lines)
+
+
+def reference() -> str:
+    """The docs' configuration reference (markdown): each group's options, then every setting with its type,
+    default and description, from the same sources as `--help`."""
+    import typing
+
+    from xtrain.config import RunConfig
+
+    hints = typing.get_type_hints(RunConfig)
+    chosen, root = defaults(), field_docs(RunConfig)
+    out = []
+    for group in GROUPS:
+        out += [f"## `{group}`", "", "| option | what |", "| --- | --- |"]
+        out += [f"| `{name}`{' (default)' if name == chosen.get(group) else ''} | {_cell(about)} |"
+                for name, about in options(group).items()]
+        out.append("")
+        if group in hints and dataclasses.is_dataclass(hints[group]):
+            out += ["| setting | type | default | what |", "| --- | --- | --- | --- |"]
+            out += _settings(hints[group], group)
+            out.append("")
+    out += ["## Settings of every run", "", "| setting | type | default | what |", "| --- | --- | --- | --- |"]
+    defaults_of = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    out += [f"| `{name}` | `{_type(hints[name])}` | `{defaults_of[name]}` | {_cell(root[name])} |"
+            for name in root if name not in hints or not dataclasses.is_dataclass(hints[name])]
+    return "\n".join(out) + "\n"
+
+
+def _settings(schema, prefix: str) -> list[str]:
+    import typing
+
+    hints, docs, rows = typing.get_type_hints(schema), field_docs(schema), []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            rows += _settings(kind, f"{prefix}.{f.name}")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        rows.append(f"| `{prefix}.{f.name}` | `{_type(kind)}` | `{_value(default)}` | {_cell(docs[f.name])} |")
+    return rows
+
+
+def _type(kind) -> str:
+    import enum
+    import typing
+
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (list, typing.List):
+        return f"list of {_type(args[0])}"
+    if args and len(args) < len(typing.get_args(kind)):  # Optional[X]
+        return f"{_type(args[0])} or null"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return " \\| ".join(str(m.value) for m in kind)
+    return getattr(kind, "__name__", str(kind))
+
+
+def _value(value) -> str:
+    value = getattr(value, "value", value)  # an Enum's
+    return "null" if value is None else str(value).replace("|", "\\|")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|") or "—"

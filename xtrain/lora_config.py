@@ -19,9 +19,11 @@ class LoraConfig:
     enabled: bool = False
     """Train low-rank adapters (peft) on a frozen pretrained model instead of every weight."""
     rank: int = 16
+    """Rank of each adapter's two low-rank matrices."""
     alpha: float = 32.0
     """Adapters are scaled by alpha / rank."""
     dropout: float = 0.0
+    """Dropout on the adapters' input."""
     target_modules: List[str] = field(default_factory=list)
     """Module names to adapt (peft's matching: a name or a name's ending); empty: every linear layer of the
     blocks (not the output head)."""

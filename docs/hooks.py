@@ -1,0 +1,8 @@
+"""MkDocs hook: the reference pages' generated parts, from the same sources as `python -m xtrain --help`."""
+
+from xtrain import help
+
+
+def on_page_markdown(markdown: str, **kwargs) -> str:
+    return (markdown.replace("<!-- xtrain:config-reference -->", help.reference())
+            .replace("<!-- xtrain:help -->", help.text()))
