@@ -268,9 +268,14 @@ def test_the_peak_memory_a_run_records_starts_at_the_run():
     """memory.reset_peaks: the peak RSS measured after it ignores what the process held before."""
     from xtrain import memory
 
-    held = b"\x01" * (400 * 2**20)  # written: resident
+    import mmap
+
+    # fresh pages of their own, written (resident), then unmapped: a heap allocation could reuse memory this
+    # long-lived worker already holds (freed by earlier runs, still resident) and never move the peak
+    held = mmap.mmap(-1, 400 * 2**20)
+    held.write(b"\x01" * len(held))
     before = memory.peak_rss()
-    del held
+    held.close()
     memory.reset_peaks()
     assert memory.peak_rss() < before - 300 * 2**20
 
