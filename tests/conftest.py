@@ -81,22 +81,23 @@ AT_START = ("PYTHONPATH", "OMP_NUM_THREADS", "TORCH_LOGS", "HOME")
 
 
 def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: dict | None = None,
-               own_process: bool = False) -> subprocess.CompletedProcess:
+               own_process: bool = False, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m xtrain ...`: the real CLI in this process (`xtrain_in_process`: no new interpreter's ~4 s of
     imports), or in a process of its own where the test is about that process (`own_process`: its exact output) or
     needs it (an `env` of AT_START)."""
     if not own_process and not set(env or {}) & set(AT_START):
-        return xtrain_in_process(*overrides, check=check, env=env)
+        return xtrain_in_process(*overrides, check=check, env=env, cwd=cwd)
     proc = subprocess.run(
         [sys.executable, "-m", "xtrain", *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"xtrain {' '.join(overrides)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = None,
+                      cwd: Path = REPO) -> subprocess.CompletedProcess:
     """`python -m xtrain ...` run by this process (the real CLI, `cli.main`, from the repository as a subprocess's
     working directory), as a process started now: exit code, stdout and stderr as a subprocess's (an exception that
     would end the process is its traceback and exit code 1). Afterwards this process is as it was: its environment,
@@ -109,10 +110,10 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
 
     from xtrain import cli
 
-    argv, saved_env, hydra_state, cwd = sys.argv, dict(os.environ), Singleton.get_state(), os.getcwd()
+    argv, saved_env, hydra_state, was_in = sys.argv, dict(os.environ), Singleton.get_state(), os.getcwd()
     sys.argv = ["xtrain", *overrides]
     os.environ.update({"XTRAIN_LAUNCH_TIME": str(time.time()), **(env or {})})  # its time to first step: its own
-    os.chdir(REPO)
+    os.chdir(cwd)
     _forget_slurm_partitions()  # read by this process's own tests too (compose_run)
     out, err, code = io.StringIO(), io.StringIO(), 0
     try:
@@ -128,7 +129,7 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     finally:
         sys.argv = argv
-        os.chdir(cwd)
+        os.chdir(was_in)
         os.environ.clear()
         os.environ.update(saved_env)
         GlobalHydra.instance().clear()
@@ -154,10 +155,10 @@ def _forget_slurm_partitions() -> None:
         sys.modules["xtrain.slurm.submit"].partitions.cache_clear()
 
 
-def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False) -> subprocess.Popen:
+def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False, cwd: Path = REPO) -> subprocess.Popen:
     """`python -m xtrain` in the background: its output in pipes (text), or dropped (`quiet`)."""
     out = subprocess.DEVNULL if quiet else subprocess.PIPE
-    return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=REPO, stdout=out, stderr=out, text=True,
+    return subprocess.Popen([sys.executable, "-m", "xtrain", *overrides], cwd=cwd, stdout=out, stderr=out, text=True,
                             env={**os.environ, **(env or {})})
 
 

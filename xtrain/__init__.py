@@ -1,7 +1,7 @@
 """xtrain: declarative experiment configs for distributed PyTorch training."""
 
 __version__ = "0.1.0"
-__all__ = ["run_with_accelerate"]
+__all__ = ["load_model", "run_with_accelerate"]
 
 
 def __getattr__(name: str):
@@ -10,4 +10,8 @@ def __getattr__(name: str):
         from xtrain.decorator import run_with_accelerate
 
         return run_with_accelerate
+    if name == "load_model":
+        from xtrain.exports import load_model
+
+        return load_model
     raise AttributeError(f"module 'xtrain' has no attribute {name!r}")

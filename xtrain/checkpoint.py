@@ -51,9 +51,9 @@ def read_state(path: str | Path) -> dict:
 
 def identity(cfg) -> dict:
     """What a checkpoint must match to be resumed by this run: the model and the strategy that wrote it."""
-    from xtrain import model as models
+    from xtrain import tasks
 
-    return {"model": models.identity(cfg.model), "strategy": cfg.strategy.name.value}
+    return {**tasks.for_config(cfg).identity(), "strategy": cfg.strategy.name.value}
 
 
 def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:

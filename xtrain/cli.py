@@ -17,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from xtrain import config
@@ -32,13 +33,16 @@ GROUP_SCHEMAS = {
     "cluster": config.ClusterConfig,
     "trainer": config.TrainerConfig,
     "tracker": config.TrackerConfig,
+    "task": config.TaskConfig,
 }
 
 
 def register_schemas() -> None:
     make_launchers_visible()  # xtrain/conf/config.yaml names hydra/launcher=xtrain
     store = ConfigStore.instance()
-    store.store(name="run_config", node=RunConfig)
+    root = OmegaConf.structured(RunConfig)
+    root.model, root.data = "???", "???"  # typed by the group option: a schema's, or a user's own by _target_
+    store.store(name="run_config", node=root)
     for group, schema in GROUP_SCHEMAS.items():
         store.store(group=f"schema/{group}", name="base", node=schema)  # extended by xtrain/conf/<group>/*.yaml
 

@@ -14,6 +14,9 @@ from typing import Any, List, Optional
 
 from xtrain.cluster_config import ClusterConfig
 from xtrain.lora_config import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
+from xtrain.strategy_config import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
+                                     StrategyConfig)
+from xtrain.task_config import TargetData, TargetModel, TaskConfig, TaskKind, target_data, target_model
 from xtrain.errors import ConfigError, override_of, non_negative, positive, unknown_setting
 
 
@@ -47,37 +50,11 @@ class TrainOn(Enum):
 
 
 
-class Strategy(Enum):
-    ddp = "ddp"
-    zero1 = "zero1"
-    zero2 = "zero2"
-    zero3 = "zero3"
-    fsdp = "fsdp"
-
-
 class Precision(Enum):
     fp32 = "fp32"
     fp16 = "fp16"
     bf16 = "bf16"
     fp8 = "fp8"
-
-
-class Offload(Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-class FsdpSharding(Enum):
-    full_shard = "full_shard"  # params, grads, optimizer states sharded (~ ZeRO-3)
-    shard_grad_op = "shard_grad_op"  # grads and optimizer states sharded (~ ZeRO-2)
-    hybrid_shard = "hybrid_shard"  # full_shard within a node, replicated across nodes
-    no_shard = "no_shard"  # replicated (~ DDP)
-
-
-class StateDictType(Enum):
-    full = "full"
-    sharded = "sharded"
 
 
 class Fp8Backend(Enum):
@@ -194,67 +171,6 @@ class DataConfig:
 
 
 @dataclass
-class StrategyConfig:
-    name: Strategy = Strategy.ddp
-    """The distributed strategy; each option of the `strategy` group sets it."""
-    # ZeRO (DeepSpeed) ------------------------------------------------------------------
-    offload_optimizer: Offload = Offload.none
-    """zero1/2/3: where optimizer states live (`cpu`, `nvme`)."""
-    offload_param: Offload = Offload.none
-    """zero3 only: where parameters live between uses."""
-    nvme_path: Optional[str] = None
-    """Directory for `nvme` offload."""
-    deepspeed_config: Optional[str] = None
-    """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
-    # FSDP --------------------------------------------------------------------------------
-    fsdp_version: int = 2
-    """FSDP's implementation: 2 (`fully_shard`, the default) or 1 (FSDP1)."""
-    sharding: FsdpSharding = FsdpSharding.full_shard
-    """FSDP1's sharding strategy (FSDP2 shards fully; see `reshard_after_forward`)."""
-    cpu_offload: bool = False
-    """Parameters (and their gradients, optimizer states) on the CPU between uses."""
-    wrap_layer: Optional[str] = None
-    """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
-    activation_checkpointing: bool = False
-    """Recompute each wrapped block's activations in backward instead of keeping them."""
-    state_dict_type: StateDictType = StateDictType.sharded
-    """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
-    reshard_after_forward: bool = True
-    """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
-    cpu_ram_efficient_loading: bool = True
-    """Pretrained weights are loaded on rank 0 only and broadcast."""
-
-    def __post_init__(self) -> None:
-        zero = self.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3)
-        if not zero:
-            for key in ("offload_optimizer", "offload_param"):
-                if getattr(self, key) is not Offload.none:
-                    raise ConfigError(
-                        f"strategy.{key}={getattr(self, key).value}: only for strategy=zero1|zero2|zero3"
-                        + ("; with fsdp use strategy.cpu_offload=true" if self.name is Strategy.fsdp else "")
-                    )
-            if self.deepspeed_config:
-                raise ConfigError(
-                    f"strategy.deepspeed_config={self.deepspeed_config}: only for strategy=zero1|zero2|zero3"
-                )
-        if self.offload_param is not Offload.none and self.name is not Strategy.zero3:
-            raise ConfigError(f"strategy.offload_param={self.offload_param.value}: needs strategy=zero3")
-        if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
-            raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
-        if self.name is not Strategy.fsdp:
-            for key in ("cpu_offload", "activation_checkpointing"):
-                if getattr(self, key):
-                    raise ConfigError(f"strategy.{key}=true: only for strategy=fsdp")
-        if self.fsdp_version not in (1, 2):
-            raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")
-        if self.name is Strategy.fsdp and self.fsdp_version == 2 and self.sharding is not FsdpSharding.full_shard:
-            raise ConfigError(
-                f"strategy.sharding={self.sharding.value}: FSDP2 shards fully (use strategy.reshard_after_forward=false "
-                "for shard_grad_op behaviour); other sharding strategies need strategy.fsdp_version=1"
-            )
-
-
-@dataclass
 class PrecisionConfig:
     name: Precision = Precision.fp32
     """Mixed precision; each option of the `precision` group sets it."""
@@ -330,8 +246,9 @@ class TrackerConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    model: Any = field(default_factory=ModelConfig)  # a ModelConfig, or a TargetModel (task=custom)
+    data: Any = field(default_factory=DataConfig)  # a DataConfig, or a TargetData (task=custom)
+    task: TaskConfig = field(default_factory=TaskConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -351,6 +268,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.resume_changes not in ("refuse", "apply"):
             raise ConfigError(f"resume_changes={self.resume_changes}: must be refuse or apply")
+        if self.task.name is TaskKind.custom:
+            return
         if self.data.source is DataSource.sft and self.model.source is ModelSource.config:
             raise ConfigError(
                 "data=sft: the built-in model's tokenizer has no chat template and no pretrained knowledge to "
@@ -383,16 +302,26 @@ def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
 
 
 def to_container(cfg: RunConfig) -> dict:
-    """Plain nested dict, enums as their names."""
+    """Plain nested dict, enums as their names; a model or datasets by `_target_` as the config spells them."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    custom_model, custom_data = isinstance(cfg.model, TargetModel), isinstance(cfg.data, TargetData)
+    if not (custom_model or custom_data):
+        return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    plain = dataclasses.replace(cfg, model=ModelConfig() if custom_model else cfg.model,
+                                data=DataConfig() if custom_data else cfg.data)
+    out = OmegaConf.to_container(OmegaConf.structured(plain), enum_to_str=True)
+    if custom_model:
+        out["model"] = cfg.model.node()
+    if custom_data:
+        out["data"] = {"train": dict(cfg.data.train), "val": dict(cfg.data.val)}
+    return out
 
 
 def to_yaml(cfg: RunConfig) -> str:
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
 
 
 def from_container(container: Any) -> RunConfig:
@@ -401,11 +330,39 @@ def from_container(container: Any) -> RunConfig:
     from omegaconf import DictConfig, OmegaConf
 
     plain = OmegaConf.to_container(container) if isinstance(container, DictConfig) else container
+    model, data = target_model(plain.get("model")), target_data(plain.get("data"))
+    if model or data:  # (their keys are the user's callables' arguments)
+        plain = {k: v for k, v in plain.items() if not (k == "model" and model or k == "data" and data)}
+        container = plain
     for name in unknown_keys(plain, RunConfig):
         setting, value = override_of(name)
         raise ConfigError(unknown_setting(setting, value, setting_names()))
     merged = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
-    return OmegaConf.to_object(merged)
+    cfg = OmegaConf.to_object(merged)
+    if model or data:
+        cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
+    check_task(cfg)
+    if cfg.task.name is TaskKind.custom and cfg.task.code_dir is None:
+        import os
+
+        cfg.task.code_dir = os.getcwd()  # (recorded in run.yaml: every rank and node imports from there)
+    return cfg
+
+
+def check_task(cfg: RunConfig) -> None:
+    """A model and datasets by `_target_` go with task=custom, and task=custom needs them."""
+    custom = cfg.task.name is TaskKind.custom
+    if custom and not isinstance(cfg.model, TargetModel):
+        raise ConfigError("task=custom: model._target_ is missing: give the dotted path of a callable that returns "
+                          "an nn.Module, e.g. model._target_=mymodels.build")
+    if custom and not isinstance(cfg.data, TargetData):
+        raise ConfigError("task=custom: data.train._target_ is missing: give the dotted path of a map-style "
+                          "dataset (or a function returning one), e.g. data.train._target_=mydata.build")
+    if not custom and isinstance(cfg.model, TargetModel):
+        raise ConfigError(f"model._target_={cfg.model.target}: a model by _target_ is trained by task=custom; "
+                          "add task=custom")
+    if not custom and isinstance(cfg.data, TargetData):
+        raise ConfigError("data.train._target_: datasets by _target_ are trained by task=custom; add task=custom")
 
 
 def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:

@@ -23,27 +23,49 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, task: tasks.Task, model, loader) -> float:
-    """The task's eval loss per trained token, over the whole validation split (every rank's part)."""
+def evaluate(accelerator: Accelerator, task: tasks.Task, model, loader) -> dict[str, float]:
+    """The task's eval loss per trained token (per example), and its metrics, over the whole validation split:
+    every rank's part, gathered without the samples a distributed sampler pads in."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
+    preds, targets = [], []
     for batch in loader:
-        sums, counts = accelerator.gather_for_metrics(task.eval_losses(model, batch))
+        if task.metrics:
+            sums, counts, pred, target = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
+            preds.append(pred.cpu())
+            targets.append(target.cpu())
+        else:
+            sums, counts = accelerator.gather_for_metrics(task.eval_losses(model, batch))
         total, count = total + sums.double().sum().cpu(), count + int(counts.sum())
     model.train()
-    return (total / count).item()
+    values = {"loss": (total / count).item()}
+    if task.perplexity:
+        values["ppl"] = perplexity(values["loss"])
+    if task.metrics:
+        pred, target = torch.cat(preds), torch.cat(targets)
+        values.update({metric.name: metric.compute(pred, target) for metric in task.metrics})
+    return values
 
 
 def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dict) -> float:
-    """Evaluate, log, answer the sample prompts, and add the time it took to `eval_time_s` (this attempt's)."""
+    """Evaluate, log, record `val_<name>` (and the best so far, `best_val_<name>`) in `result`, answer the sample
+    prompts, and add the time it took to `eval_time_s` (this attempt's). Returns the val loss."""
+    from xtrain import reporting
+    from xtrain.tasks.metrics import MAXIMIZED
+
     start = time.perf_counter()
-    val_loss = evaluate(accelerator, c.task, c.model, c.val_loader)
-    accelerator.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step=step)
-    log.info("step %d | val loss %.4f | val ppl %.1f", step, val_loss, perplexity(val_loss))
+    values = evaluate(accelerator, c.task, c.model, c.val_loader)
+    accelerator.log({f"val/{name}": value for name, value in values.items()}, step=step)
+    for name, value in values.items():
+        result[f"val_{name}"] = value
+        best, pick = result.get(f"best_val_{name}"), max if name in MAXIMIZED else min
+        if name != "ppl" and (c.task.metrics or name != "loss"):
+            result[f"best_val_{name}"] = value if best is None else pick(best, value)
+    log.info("step %d | %s", step, reporting.eval_text(result))
     if cfg.trainer.sample_prompts:
         log_samples(accelerator, cfg, c, step)
     result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
-    return val_loss
+    return values["loss"]
 
 
 def log_samples(accelerator: Accelerator, cfg: RunConfig, c, step: int) -> None:

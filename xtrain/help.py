@@ -1,6 +1,6 @@
 """What `python -m xtrain --help` and the docs' reference say, from one source each: a group's options are the
 YAML files in xtrain/conf/ (each described by its first comment line), a setting's description is the docstring under
-its field in the schema (config.py, cluster_config.py, lora_config.py).
+its field in the schema (config.py and the *_config.py modules beside it).
 
 This module imports neither torch nor transformers.
 """
@@ -15,7 +15,7 @@ from importlib.resources import files
 
 import yaml
 
-GROUPS = ("model", "data", "strategy", "precision", "cluster", "trainer", "tracker", "experiment")
+GROUPS = ("task", "model", "data", "strategy", "precision", "cluster", "trainer", "tracker", "experiment")
 COMMANDS = {
     "python -m xtrain.prepare OVERRIDES": "prepare the run's data ahead of time (nothing trains)",
     "python -m xtrain.status DIR": "where a run or a sweep stands, from its files",
@@ -92,7 +92,9 @@ def reference() -> str:
 
     from xtrain.config import RunConfig
 
-    hints = typing.get_type_hints(RunConfig)
+    hints = typing.get_type_hints(RunConfig)  # a group typed by its option (model, data): its schema's default
+    hints.update({f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)
+                  if f.default_factory is not dataclasses.MISSING})
     chosen, root = defaults(), field_docs(RunConfig)
     out = []
     for group in GROUPS:

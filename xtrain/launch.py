@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from xtrain import checkpoint, config, data, hardware, model, plan, plugins, resume, run_dir
+from xtrain import checkpoint, config, hardware, plan, plugins, resume, run_dir, tasks
 from xtrain.cluster_config import ClusterKind
-from xtrain.config import ModelSource, Offload, RunConfig
+from xtrain.config import Offload, RunConfig
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
 
@@ -34,7 +34,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts.
     What only a cluster can tell (partitions, nodes) its backend checks (`check`) before this. `planning` (a dry
     run): what this machine's hardware cannot run is for the plan to say, not a refusal; every other check holds."""
-    if not planning:
+    if not planning or hardware.submitting_to_slurm(cfg):  # (a SLURM request's GPUs are the plan's, not this machine's)
         hardware.check(cfg)
     c = cfg.cluster
     if c.kind is ClusterKind.local and c.nodes > 1 and c.main_process_port is None:
@@ -58,9 +58,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
             f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
             "install them (apt-get install libaio-dev) or offload to cpu instead"
         )
-    data.check(cfg.data)
-    if cfg.model.source is ModelSource.pretrained:
-        model.pretrained_config(cfg.model)
+    tasks.for_config(cfg).check()
     _, facts = plan.model_facts(cfg)  # checks strategy.wrap_layer against the model
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, multiprocess, plan,
-                    plugins, resume, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
+                    plugins, reporting, resume, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
@@ -73,25 +73,16 @@ class Components:
 
 
 @dataclass
-class Window:
-    """Train loss and throughput since the last log line."""
-
-    loss_sum: float = 0.0
-    steps: int = 0
-    tokens: int = 0
-    start: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
 class Progress:
     """The loop's counters; `tokens_seen` and `skipped` travel in checkpoints."""
 
     step: int
     tokens_seen: int
     skipped: int  # optimizer steps the fp16 loss scaler skipped
-    window: Window = field(default_factory=Window)
+    window: reporting.Window = field(default_factory=reporting.Window)
     last_finite: tuple[int, float] | None = None
     pruned: bool = False  # a study's pruner asked this trial to stop
+    best: dict = field(default_factory=dict)  # best_val_<metric> so far (travels in checkpoints)
 
 
 def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task) -> Components:
@@ -142,7 +133,8 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
         window = state.get("log_window", {})  # a stop between two log lines: the next one covers both parts
         progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
                             skipped=state.get("skipped_steps", 0),
-                            window=Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)))
+                            window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
+                            best=state.get("best", {}))
         found = resume.changes(state["config"], config.to_container(cfg)) if "config" in state else []
         if any(change.key in resume.APPLICABLE for change in found):
             set_hyperparameters(c.optimizer, c.scheduler, cfg)
@@ -169,9 +161,9 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
     t, world = cfg.trainer, accelerator.num_processes
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
     log.info(
-        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d sequences",
-        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world,
-        accelerator.distributed_type.value, t.batch_size * t.grad_accum * world,
+        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d %s",
+        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world, accelerator.distributed_type.value,
+        t.batch_size * t.grad_accum * world, "sequences" if c.task.throughput_unit == "tokens" else "examples",
     )
     if resume_from is not None:
         log.info("resumed from %s at step %d", resume_from, start_step)
@@ -230,6 +222,7 @@ def _train(run_dir: Path) -> dict:
                               init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
     result["peak_rss_model_ready_bytes"] = model_ready
+    result.update(progress.best)
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged, changed))
@@ -267,16 +260,16 @@ def _train(run_dir: Path) -> dict:
     if accelerator.num_processes > 1:
         _HELD_UNTIL_EXIT.append((accelerator, c))
     return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
-                  process_start, wall)
+                  c.task.throughput_unit, process_start, wall)
 
 
 def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
-           tokens_per_s: float, process_start: float, wall: float) -> dict:
+           per_s: float, c_unit: str, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     pruned = stop is not None and stop["signal"] == trial.PRUNER
     result.update(
         status=Status.completed if stop is None else Status.pruned if pruned else Status.interrupted,
-        tokens_per_s=tokens_per_s,
+        **{f"{c_unit}_per_s": per_s},
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
@@ -287,10 +280,8 @@ def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | 
     if accelerator.is_main_process:
         rundir.update_result(run_dir, result)
         if stop is None:
-            log.info(
-                "done: %d steps | val loss %.4f (ppl %.1f) | %.0f tokens/s | %s",
-                cfg.trainer.max_steps, result["val_loss"], result["val_ppl"], result["tokens_per_s"], run_dir,
-            )
+            log.info("done: %d steps | %s | %.0f %s/s | %s", cfg.trainer.max_steps, reporting.eval_text(result, final=True), per_s,
+                     c_unit, run_dir)
     return result
 
 
@@ -339,12 +330,13 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     t, step = cfg.trainer, p.step
     last = step == t.max_steps
     if step % t.log_every == 0 or last:
-        result["train_loss"] = log_train(accelerator, p.window, step, c.scheduler, p.tokens_seen, p.skipped)
+        result["train_loss"] = reporting.log_train(accelerator, p.window, step, c.scheduler, p.tokens_seen, p.skipped,
+                                                   c.task.throughput_unit)
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
-        p.window = Window()
+        p.window = reporting.Window()
     if step % t.eval_every == 0 or last:
         result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
-        result["val_ppl"] = evaluation.perplexity(result["val_loss"])
+        p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
         p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
@@ -354,7 +346,8 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
 
 def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
     window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
-    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, **checkpoint.identity(cfg),
+    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
+             **checkpoint.identity(cfg),
              "config": config.to_container(cfg)}  # what it was trained with: a resume with other settings says so
     checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
 
@@ -397,26 +390,10 @@ def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, tokens: int,
     return loss, round(mean_tokens * accelerator.num_processes), stop > 0
 
 
-def log_train(accelerator: Accelerator, window: Window, step: int, scheduler, tokens_seen: int, skipped: int) -> float:
-    """Log the window's mean train loss (over every rank), lr and throughput; returns the loss."""
-    train_loss = window.loss_sum / window.steps
-    metrics = {
-        "train/loss": train_loss,
-        "train/lr": scheduler.get_last_lr()[0],
-        "train/tokens_per_s": window.tokens / (time.perf_counter() - window.start),
-        "train/tokens_seen": tokens_seen,
-        "train/skipped_steps": skipped,  # optimizer steps the fp16 loss scaler skipped (overflow), so far
-    }
-    accelerator.log(metrics, step=step)
-    log.info("step %d | loss %.4f | lr %.2e | %.0f tokens/s", step, train_loss, metrics["train/lr"],
-             metrics["train/tokens_per_s"])
-    return train_loss
-
-
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
     """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
-    ids = sum(value.sum() for value in batch.values() if torch.is_tensor(value))
+    ids = sum(value.sum() for value in (batch.values() if isinstance(batch, dict) else batch) if torch.is_tensor(value))
     result["first_batch_token_sums"] = accelerator.gather(ids.reshape(1)).tolist()
     yield batch
     yield from batches

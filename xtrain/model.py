@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 
 from xtrain import meta_init
@@ -114,8 +115,11 @@ def on_meta(model: ModelConfig, block_size: int):
 
 def fsdp_wrap_layer(requested: str | None, meta_model) -> str:
     """The transformer block class FSDP wraps: `strategy.wrap_layer`, else the model's `_no_split_modules`."""
-    present = sorted({type(m).__name__ for m in meta_model.modules()})
-    declared = [name for name in (getattr(meta_model, "_no_split_modules", None) or []) if name in present]
+    counts = collections.Counter(type(m).__name__ for m in meta_model.modules())
+    present = sorted(counts)
+    # the most frequent declared class (transformers 5 declares a set: its order depends on the hash seed)
+    declared = sorted((name for name in (getattr(meta_model, "_no_split_modules", None) or []) if name in counts),
+                      key=lambda name: (-counts[name], name))
     layer = requested or (declared[0] if declared else None)
     if layer is None:
         raise ConfigError(

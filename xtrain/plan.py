@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, replace
 
 from xtrain import plugins
-from xtrain.config import FsdpSharding, Offload, Precision, RunConfig, Strategy
+from xtrain.config import FsdpSharding, Offload, Precision, RunConfig, Strategy, TargetModel
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper's figures
 
@@ -121,16 +121,16 @@ _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
     Kept per model for the process: a sweep's points mostly share theirs."""
-    key = repr((cfg.model, cfg.data.block_size, cfg.strategy.name, cfg.strategy.wrap_layer))
+    key = repr((cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer))
     if key not in _FACTS:
         _FACTS[key] = _model_facts(cfg)
     return _FACTS[key]
 
 
 def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
-    from xtrain import model as models
+    from xtrain import model as models, tasks
 
-    meta = models.on_meta(cfg.model, cfg.data.block_size)
+    meta = tasks.for_config(cfg).on_meta()
     n_params = sum(p.numel() for p in meta.parameters())
     wrap = models.fsdp_wrap_layer(cfg.strategy.wrap_layer, meta) if cfg.strategy.name is Strategy.fsdp else ""
     trainable = None
@@ -138,7 +138,10 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
         from xtrain import lora
 
         trainable = lora.check(meta, cfg.model.lora)
-    return n_params, plugins.ModelFacts(hidden_size=meta.config.hidden_size, wrap_layer=wrap, trainable=trainable)
+    hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
+    if hidden is None:  # a module without a transformers config: ZeRO's buckets sized by its largest weight
+        hidden = max((int(p.numel() ** 0.5) for p in meta.parameters()), default=1)
+    return n_params, plugins.ModelFacts(hidden_size=hidden, wrap_layer=wrap, trainable=trainable)
 
 
 def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Plan:
@@ -166,7 +169,8 @@ def render(plan: Plan) -> str:
         f"  topology     {c.nodes} node(s) x {c.processes_per_node} process(es) = world size {c.world_size} "
         f"(cluster={c.kind.value})",
         f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
-        f"sequences = {effective * cfg.data.block_size} tokens per optimizer step",
+        + (f"sequences = {effective * cfg.data.block_size} tokens per optimizer step" if hasattr(cfg.data, "block_size")
+           else "examples per optimizer step"),
         f"  model        {_model_name(cfg)}: {plan.n_params:,} parameters (counted on the meta device)"
         + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
@@ -199,4 +203,6 @@ def size(n_bytes: float) -> str:
 
 
 def _model_name(cfg: RunConfig) -> str:
+    if isinstance(cfg.model, TargetModel):
+        return f"{cfg.model.target} (by _target_)"
     return cfg.model.name_or_path if cfg.model.name_or_path else f"{cfg.model.arch.value} (built from config)"

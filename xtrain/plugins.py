@@ -35,7 +35,7 @@ def builds_on_meta(cfg: RunConfig) -> bool:
     """FSDP2 of a model built from config: built on meta and each rank's shards filled (meta_init), never whole.
     (cpu_ram_efficient_loading is for pretrained weights: rank 0 loads them and broadcasts them.)"""
     s = cfg.strategy
-    return s.name is Strategy.fsdp and s.fsdp_version == 2 and cfg.model.source is ModelSource.config
+    return (s.name is Strategy.fsdp and s.fsdp_version == 2 and getattr(cfg.model, "source", None) is ModelSource.config)
 
 
 def is_zero(cfg: RunConfig) -> bool:

@@ -37,14 +37,17 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config.from_container(compose("config", overrides=argv))
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         cli._report_refusal(err)
-    from xtrain import data
+    from xtrain import tasks
     from xtrain.worker import configure_logging
 
     configure_logging()
     try:
-        prepared = data.prepare(cfg.data, cfg.model)
+        prepared = tasks.for_config(cfg).prepare()
     except ConfigError as err:
         cli.fail(str(err))
+    if prepared is None:
+        print(f"nothing to prepare: task={cfg.task.name.value} reads its datasets as they are")
+        return
     print(f"{'prepared' if prepared.fresh else 'already prepared'}: {prepared.describe()} in {prepared.path}")
 
 

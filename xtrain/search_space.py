@@ -44,7 +44,9 @@ def parse(overrides: list[str], known: set[str] | None = None) -> Space:
                               "write e.g. trainer.lr=tag(log,interval(1e-5,1e-2)) or trainer.batch_size=choice(8,16)") from None
         key = override.get_key_element()
         name = key.lstrip("+~")
-        if known is not None and not (name in known or any(name.startswith(k + ".") for k in known if "." in k)):
+        users_own = key.startswith("+") or name.endswith("._target_") or name.startswith(("data.train.", "data.val."))
+        if known is not None and not users_own and not (name in known or any(name.startswith(k + ".") for k in known
+                                                                              if "." in k)):
             close = closest(name, sorted(known))
             hint = f"did you mean {close}?" if close else "e.g. trainer.lr, trainer.batch_size, model.num_layers"
             raise ConfigError(f"hydra.sweeper.params: {key} names no setting of xtrain's run config; {hint}")

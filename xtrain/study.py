@@ -16,6 +16,7 @@ from pathlib import Path
 
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
+from xtrain.task_config import MAXIMIZED
 
 JOURNAL = "study.journal"
 STUDY_FILE = "study.json"  # the study as the summary and xtrain.status show it
@@ -58,8 +59,12 @@ def check(s: StudySettings) -> StudySettings:
         raise ConfigError(f"hydra.sweeper.max_retries={s.max_retries}: must be >= 0")
     if s.direction not in DIRECTIONS:
         raise ConfigError(f"hydra.sweeper.direction={s.direction}: must be one of {', '.join(DIRECTIONS)}")
-    if s.objective not in OBJECTIVES:
-        raise ConfigError(f"hydra.sweeper.objective={s.objective}: must be one of {', '.join(OBJECTIVES)}")
+    if s.objective not in OBJECTIVES and not s.objective.startswith("val_"):
+        raise ConfigError(f"hydra.sweeper.objective={s.objective}: must be one of {', '.join(OBJECTIVES)}, or "
+                          "val_<metric> of the task's metrics (task.metrics)")
+    if s.objective[len("val_"):] in MAXIMIZED and s.direction == "minimize":
+        raise ConfigError(f"hydra.sweeper.direction=minimize: {s.objective} is better when higher; "
+                          "use hydra.sweeper.direction=maximize")
     make_pruner(s.pruner, s.pruner_settings)
     return s
 

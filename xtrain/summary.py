@@ -74,8 +74,10 @@ def run_row(path: Path) -> dict:
     if cfg:
         world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
         sequences = cfg["trainer"]["batch_size"] * cfg["trainer"]["grad_accum"] * world
-        row.update(batch_sequences=sequences, batch_tokens=sequences * cfg["data"]["block_size"],
-                   world_size=result.get("world_size", world))
+        tokens = sequences * cfg["data"]["block_size"] if "block_size" in cfg["data"] else ""
+        row.update(batch_sequences=sequences, batch_tokens=tokens, world_size=result.get("world_size", world))
+    row.update({key: value for key, value in result.items()  # a task's own: val_<metric>, examples_per_s
+                if (key.startswith("val_") or key.endswith("_per_s")) and key not in row})
     return row
 
 
@@ -86,7 +88,8 @@ def rows(sweep_dir: Path) -> list[dict]:
     for entry in entries:
         values = dict(o.partition("=")[::2] for o in entry["overrides"])
         out.append({"point": entry["dir"], **{k: values.get(k, "") for k in keys}, **run_row(Path(sweep_dir) / entry["dir"])})
-    return out
+    extra = [key for row in out for key in row if key not in out[0]]
+    return [{**row, **{key: row.get(key, "") for key in extra}} for row in out]
 
 
 def study_record(sweep_dir: Path) -> dict:

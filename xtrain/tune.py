@@ -68,6 +68,16 @@ class Study:
                 raise ConfigError(f"the search space's corner {' '.join(swept)} cannot run: "
                                   f"{str(err).split(': ', 1)[-1]}") from None
         self.corners = points
+        objective = self.s.objective
+        if objective.startswith("val_") and objective not in ("val_loss", "val_ppl"):
+            from xtrain.task_config import TaskKind
+            from xtrain.tasks.metrics import name_of
+
+            task = points[0].cfg.task
+            names = [name_of(spec) for spec in task.metrics] if task.name is TaskKind.custom else []
+            if objective[len("val_"):] not in names:
+                raise ConfigError(f"hydra.sweeper.objective={objective}: the task does not compute it; it computes "
+                                  f"{', '.join(['val_loss', *(f'val_{n}' for n in names)])}")
         if not self.on_slurm:
             self.backend.check_points(points, n_jobs=self.s.n_jobs, setting="hydra.sweeper.n_jobs")
         log.info("study: %d trials, %s %s, sampler %s, pruner %s; the space's %d corner(s) checked",

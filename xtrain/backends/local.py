@@ -62,10 +62,10 @@ def run(cfg: RunConfig) -> dict:
 def prepare_data(cfg: RunConfig) -> None:
     """The run's data, prepared in this process before any worker starts (or found prepared): workers only
     read it, so no rank waits in a collective while a corpus is tokenized."""
-    from xtrain import data
+    from xtrain import tasks
 
-    prepared = data.prepare(cfg.data, cfg.model)
-    if not prepared.fresh:
+    prepared = tasks.for_config(cfg).prepare()
+    if prepared is not None and not prepared.fresh:
         log.info("data: prepared on %s earlier: %s (%s)", prepared.meta["prepared_on"], prepared.describe(),
                  prepared.path)
 

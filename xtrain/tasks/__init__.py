@@ -1,18 +1,23 @@
 """What is trained: a task gives the loop its model and data, the loss of a batch, eval, the tokens a batch
 holds, and the final export. The loop (loop.py) knows nothing else of the model or the data.
 
-Today's one task is causal-LM training (`causal_lm.CausalLM`); the interface (`Task`, in base.py) is the seam for others.
+The tasks: causal-LM training (`causal_lm.CausalLM`, the default) and the user's own model, datasets, loss and
+metrics by `_target_` (`custom.Custom`); the interface is `Task`, in base.py.
 """
 
 from __future__ import annotations
 
-from xtrain.config import RunConfig
+from xtrain.config import RunConfig, TaskKind
 from xtrain.tasks.base import Task, TaskData
 
 __all__ = ["Task", "TaskData", "for_config"]
 
 
 def for_config(cfg: RunConfig) -> Task:
+    if cfg.task.name is TaskKind.custom:
+        from xtrain.tasks.custom import Custom
+
+        return Custom(cfg)
     from xtrain.tasks.causal_lm import CausalLM
 
     return CausalLM(cfg)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from xtrain import data, lora, model as models, plugins
-from xtrain.config import DataSource, RunConfig
+from xtrain.config import DataSource, ModelSource, RunConfig
 from xtrain.tasks.base import TaskData
 
 IGNORE = -100  # the label of a token the loss skips
@@ -19,9 +19,29 @@ EVAL_CHUNK_ELEMENTS = 1 << 27  # fp32 logits (512 MB) that exist at once while a
 
 
 class CausalLM:
+    throughput_unit = "tokens"
+    perplexity = True
+    metrics: list = []
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.tokenizer = None
+
+    def check(self) -> None:
+        """On the driver, before anything launches: the data's files (cheap checks) and a pretrained model's config."""
+        data.check(self.cfg.data)
+        if self.cfg.model.source is ModelSource.pretrained:
+            models.pretrained_config(self.cfg.model)
+
+    def identity(self) -> dict:
+        return {"model": models.identity(self.cfg.model)}
+
+    def prepare(self):
+        """The corpus prepared into the cache (or found there): what `build` then reads."""
+        return data.prepare(self.cfg.data, self.cfg.model)
+
+    def on_meta(self):
+        return models.on_meta(self.cfg.model, self.cfg.data.block_size)
 
     def build(self, accelerator) -> TaskData:
         cfg = self.cfg

@@ -1,0 +1,211 @@
+"""task=custom: a user's own model, datasets, loss and metrics by `_target_`, from the user's own modules (the
+examples/digits project, copied outside the package, the command run from there)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import (REPO, assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain,
+                      start_xtrain)
+
+SPELLED = ["task=custom", "model._target_=mymodels.cnn", "+model.channels=16", "data.train._target_=mydata.digits",
+           "+data.train.split=train", "data.val._target_=mydata.digits", "+data.val.split=val",
+           "task.metrics=[accuracy,f1_macro]"]
+# as conf/experiment/digits.yaml sets them
+TRAINER = ["trainer.batch_size=32", "trainer.max_steps=200", "trainer.warmup_steps=10", "trainer.lr=3e-3",
+           "trainer.eval_every=50", "trainer.save_every=50", "trainer.log_every=25"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """The example project, outside the package: its modules import only from there."""
+    where = tmp_path_factory.mktemp("project") / "digits"
+    shutil.copytree(REPO / "examples" / "digits", where, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    (where / "badsets.py").write_text(
+        "import torch\n\n\ndef triples(split='train'):\n    return [(torch.zeros(1, 8, 8), 0, 1)] * 8\n\n\n"
+        "def records(split='train'):\n    return [{'image': torch.zeros(1, 8, 8)}] * 8\n\n\n"
+        "def not_a_model(channels=16):\n    return {'channels': channels}\n")
+    return where
+
+
+@pytest.fixture(scope="module")
+def digits_run(project, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("digits") / "run"
+    run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, cwd=project)
+    return run_dir
+
+
+def test_a_cnn_from_the_users_own_modules_learns_digits(digits_run, project):
+    result = read_result(digits_run)
+    assert result["status"] == "completed" and result["val_accuracy"] >= 0.9
+    assert result["best_val_accuracy"] >= result["val_accuracy"] and "best_val_f1_macro" in result
+    assert result["examples_per_s"] > 0 and "tokens_per_s" not in result and "val_ppl" not in result
+    evals = [row for row in read_metrics(digits_run) if "val/loss" in row]
+    assert [row["step"] for row in evals] == [0, 50, 100, 150, 200]
+    assert all(0 <= row["val/accuracy"] <= 1 and 0 <= row["val/f1_macro"] <= 1 for row in evals)
+    assert evals[0]["val/accuracy"] < 0.5  # step 0 is the untrained model
+    assert all("train/examples_per_s" in row for row in read_metrics(digits_run) if "train/loss" in row)
+    import yaml
+
+    recorded = yaml.safe_load((digits_run / "run.yaml").read_text())
+    assert recorded["model"] == {"_target_": "mymodels.cnn", "channels": 16}
+    assert recorded["data"]["val"] == {"_target_": "mydata.digits", "split": "val"}
+    assert recorded["task"]["code_dir"] == str(project)
+
+
+def test_the_experiment_in_the_users_config_dir_is_the_same_run(digits_run, project, tmp_path):
+    run_dir = tmp_path / "run"
+    run_xtrain("--config-dir", "conf", "experiment=digits", f"run_dir={run_dir}", cwd=project)
+    assert_equal_weights(digits_run, run_dir)
+
+
+def test_load_model_returns_the_trained_module_whose_accuracy_the_run_recorded(digits_run, project):
+    import xtrain
+
+    model = xtrain.load_model(digits_run)
+    assert isinstance(model, torch.nn.Module)
+    from mydata import Digits  # (importable: load_model put the project's directory on the path)
+
+    val = Digits("val")
+    with torch.no_grad():
+        predicted = model(val.images).argmax(dim=1)
+    assert (predicted == val.labels).double().mean().item() == pytest.approx(read_result(digits_run)["val_accuracy"],
+                                                                              abs=1e-12)
+
+
+def test_a_custom_run_killed_and_resumed_ends_bitwise_equal_with_its_best_values(digits_run, project, tmp_path):
+    run_dir = tmp_path / "run"
+    # checkpoints every 10 steps (when they are written does not change what trains): killed at once after the
+    # first, with ~190 steps to go (waiting longer, a fast machine can finish the 200 steps first)
+    proc = start_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "trainer.save_every=10", quiet=True, cwd=project)
+    first = run_dir / "checkpoints" / "step_00000010" / "xtrain_state.json"
+    deadline = time.monotonic() + 300
+    while not first.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert read_result(run_dir)["status"] == "running"  # killed mid-run: nothing recorded an end
+    run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "resume=auto", cwd=project)
+    assert_equal_weights(digits_run, run_dir)
+    resumed, unbroken = read_result(run_dir), read_result(digits_run)
+    for key in ("val_accuracy", "best_val_accuracy", "best_val_f1_macro", "best_val_loss"):
+        assert resumed[key] == unbroken[key], key
+
+
+def test_two_processes_give_the_one_process_metrics_exactly(digits_run, project, tmp_path):
+    """297 val examples, 2 ranks x batch 16: the sampler pads the last batch; the gathered metrics drop the pad."""
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "trainer.batch_size=16", "cluster.num_processes=2",
+               cwd=project)
+    one, two = read_metrics(digits_run), read_metrics(run_dir)
+    assert read_result(run_dir)["world_size"] == 2
+    first_one, first_two = one[0], two[0]  # step 0: the same initial weights
+    assert first_one["step"] == first_two["step"] == 0
+    assert first_two["val/accuracy"] == first_one["val/accuracy"]
+    assert first_two["val/f1_macro"] == first_one["val/f1_macro"]
+    assert first_two["val/loss"] == pytest.approx(first_one["val/loss"], rel=1e-9)
+    from safetensors.torch import load_file
+
+    expected, got = load_file(digits_run / "model" / "model.safetensors"), load_file(run_dir / "model" / "model.safetensors")
+    for name in expected:  # the same effective batch: DDP follows one process up to rounding
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-4)
+
+
+def test_built_in_metrics_equal_scikit_learns():
+    from sklearn import metrics as sk
+
+    from xtrain.tasks import metrics
+
+    g = torch.Generator().manual_seed(0)
+    targets = torch.randint(0, 5, (300,), generator=g)
+    preds = torch.where(torch.rand(300, generator=g) < 0.6, targets, torch.randint(0, 6, (300,), generator=g))
+    y, p = targets.numpy(), preds.numpy()
+    assert metrics.accuracy(preds, targets) == pytest.approx(sk.accuracy_score(y, p), abs=1e-12)
+    assert metrics.f1_macro(preds, targets) == pytest.approx(sk.f1_score(y, p, average="macro", zero_division=0),
+                                                             abs=1e-12)
+    assert metrics.precision_macro(preds, targets) == pytest.approx(
+        sk.precision_score(y, p, average="macro", zero_division=0), abs=1e-12)
+    assert metrics.recall_macro(preds, targets) == pytest.approx(
+        sk.recall_score(y, p, average="macro", zero_division=0), abs=1e-12)
+    values, truth = torch.randn(100, generator=g), torch.randn(100, generator=g)
+    assert metrics.mse(values, truth) == pytest.approx(sk.mean_squared_error(truth.numpy(), values.numpy()), rel=1e-6)
+    assert metrics.mae(values, truth) == pytest.approx(sk.mean_absolute_error(truth.numpy(), values.numpy()), rel=1e-6)
+
+
+def test_a_torchmetrics_metric_and_a_plain_function_give_the_built_in_value():
+    from xtrain.tasks import metrics
+
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, 4, (257,), generator=g)
+    preds = torch.where(torch.rand(257, generator=g) < 0.7, targets, torch.randint(0, 4, (257,), generator=g))
+    built = metrics.build([
+        "f1_macro",
+        {"_target_": "torchmetrics.classification.MulticlassF1Score", "num_classes": 4, "average": "macro",
+         "name": "tm_f1"},
+        {"_target_": "sklearn.metrics.f1_score", "average": "macro", "name": "sk_f1"},
+    ])
+    values = {m.name: m.compute(preds, targets) for m in built}
+    assert values["tm_f1"] == pytest.approx(values["f1_macro"], abs=1e-6)
+    assert values["sk_f1"] == pytest.approx(values["f1_macro"], abs=1e-12)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model._target_=mymodels.nope"], "model._target_=mymodels.nope: module mymodels has no nope"),
+    (["model._target_=nosuchmodule.cnn"],
+     "model._target_=nosuchmodule.cnn: cannot import: ModuleNotFoundError: No module named 'nosuchmodule'"),
+    (["model._target_=badsets.not_a_model"], "model._target_=badsets.not_a_model: returned a dict, not a torch.nn.Module"),
+    (["data.train._target_=badsets.triples"],
+     "data.train: an item is a tuple of 3; give (inputs, target) tuples or dicts of tensors with a target"),
+    (["data.train._target_=badsets.records"],
+     "data.train: an item is a dict with keys image: it needs its target under one of target, label, labels"),
+    (["task.metrics=[accuracy,auc]"],
+     "task.metrics: no built-in metric auc; choose from accuracy, f1_macro, precision_macro, recall_macro, mse, mae"),
+])
+def test_a_bad_custom_piece_is_one_line_and_writes_nothing(project, tmp_path, overrides, expected):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", *SPELLED, *overrides, check=False, cwd=project)
+    assert_one_line_error(proc, expected)
+    assert not run_dir.exists()
+
+
+def test_a_model_by_target_without_task_custom_says_to_add_it(project, tmp_path):
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "model=custom", "model._target_=mymodels.cnn", check=False,
+                      cwd=project)
+    assert_one_line_error(proc, "model._target_=mymodels.cnn: a model by _target_ is trained by task=custom; "
+                                "add task=custom")
+
+
+STUDY = ["hydra/sweeper=xtrain_optuna", "hydra.sweeper.objective=val_accuracy", "trainer.max_steps=40",
+         "trainer.eval_every=10", "trainer.warmup_steps=2", "trainer.save_every=40", "trainer.batch_size=32",
+         "trainer.lr=tag(log,interval(1e-4,1e-1))"]
+
+
+def test_a_study_maximises_a_metric_and_its_summary_ranks_by_it(project, tmp_path):
+    import csv
+
+    sweep_dir = tmp_path / "study"
+    run_xtrain("-m", f"run_dir={sweep_dir}", *SPELLED, *STUDY, "hydra.sweeper.direction=maximize",
+               "hydra.sweeper.n_trials=4", "hydra.sweeper.pruner_settings.n_startup_trials=2", cwd=project)
+    rows = list(csv.DictReader((sweep_dir / "sweep.csv").open()))
+    done = [r for r in rows if r["status"] == "completed"]
+    assert len(rows) == 4 and done and all(r["val_accuracy"] for r in done)
+    top = max(done, key=lambda r: float(r["val_accuracy"]))
+    assert f"Best (highest val_accuracy): **{top['point']}**" in (sweep_dir / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("settings,expected", [
+    (["hydra.sweeper.direction=minimize"],
+     "hydra.sweeper.direction=minimize: val_accuracy is better when higher; use hydra.sweeper.direction=maximize"),
+    (["hydra.sweeper.direction=maximize", "hydra.sweeper.objective=val_auc"],
+     "hydra.sweeper.objective=val_auc: the task does not compute it; it computes val_loss, val_accuracy, val_f1_macro"),
+])
+def test_a_study_objective_that_cannot_be_met_is_refused(project, tmp_path, settings, expected):
+    proc = run_xtrain("-m", f"run_dir={tmp_path / 'study'}", *SPELLED, *STUDY, *settings, check=False, cwd=project)
+    assert_one_line_error(proc, expected)
+    assert not (tmp_path / "study").exists()

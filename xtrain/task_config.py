@@ -1,0 +1,87 @@
+"""The `task` settings, and a user's own model and datasets by `_target_` (`task=custom`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from xtrain.errors import ConfigError
+from xtrain.lora_config import LoraConfig
+
+TARGET = "_target_"
+MAXIMIZED = {"accuracy", "f1_macro", "precision_macro", "recall_macro"}  # built-in metrics better when higher
+
+
+class TaskKind(Enum):
+    causal_lm = "causal_lm"
+    custom = "custom"
+
+
+@dataclass
+class TaskConfig:
+    name: TaskKind = TaskKind.causal_lm
+    """What is trained; each option of the `task` group sets it."""
+    metrics: List[Any] = field(default_factory=list)
+    """`task=custom`: metrics computed over the whole val split at each eval: built-in names (accuracy, f1_macro,
+    precision_macro, recall_macro, mse, mae) and/or `{_target_: ...}` entries (a torchmetrics.Metric, or a
+    function fn(preds, targets) -> float)."""
+    loss: Optional[Dict[str, Any]] = None
+    """`task=custom`: `{_target_: ...}`, a loss module or function of (outputs, targets), per example (a torch
+    loss gets reduction='none'); default: cross-entropy."""
+    code_dir: Optional[str] = None
+    """`task=custom`: where the `_target_`s' modules are imported from on every rank and node (default: the
+    directory the command runs from)."""
+
+
+@dataclass
+class TargetModel:
+    """`model._target_=pkg.mod.builder` plus its keyword arguments (`+model.channels=16`): any callable that returns
+    an nn.Module."""
+
+    target: str
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lora(self) -> LoraConfig:
+        return LoraConfig()  # (adapters are for pretrained transformers models)
+
+    def node(self) -> dict:
+        """As the config spells it: `{_target_: ..., <kwargs>}`."""
+        return {TARGET: self.target, **self.kwargs}
+
+
+@dataclass
+class TargetData:
+    """`data.train._target_=...` and `data.val._target_=...` plus their keyword arguments: map-style datasets whose
+    items are dicts of tensors or (inputs, target) tuples."""
+
+    train: Dict[str, Any]
+    val: Dict[str, Any]
+
+
+def target_model(node: Any) -> TargetModel | None:
+    if isinstance(node, dict) and TARGET in node:
+        kwargs = {k: v for k, v in node.items() if k != TARGET}
+        return TargetModel(_target_of("model", node), kwargs)
+    return None
+
+
+def target_data(node: Any) -> TargetData | None:
+    if isinstance(node, dict) and any(isinstance(node.get(split), dict) for split in ("train", "val")):
+        for split in ("train", "val"):
+            _target_of(f"data.{split}", node.get(split) or {})
+        unknown = sorted(set(node) - {"train", "val"})
+        if unknown:
+            raise ConfigError(f"data.{unknown[0]}: a setting of the built-in data; with data.train/data.val "
+                              "datasets by _target_, give it to them (+data.train.<name>=...)")
+        return TargetData(dict(node["train"]), dict(node["val"]))
+    return None
+
+
+def _target_of(key: str, node: dict) -> str:
+    target = node.get(TARGET)
+    if not isinstance(target, str) or not target or target == "???":
+        raise ConfigError(f"{key}._target_ is missing: give the dotted path of a callable, e.g. "
+                          f"{key}._target_=mymodule.build")
+    return target
