@@ -166,6 +166,14 @@ def test_a_torchmetrics_metric_and_a_plain_function_give_the_built_in_value():
      "data.train: an item is a dict with keys image: it needs its target under one of target, label, labels"),
     (["task.metrics=[accuracy,auc]"],
      "task.metrics: no built-in metric auc; choose from accuracy, f1_macro, precision_macro, recall_macro, mse, mae"),
+    (["trainer.monitor=val_auc"],
+     "trainer.monitor=val_auc: the task does not compute it; it computes val_loss, val_accuracy, val_f1_macro"),
+    (["trainer.monitor=val_accuracy", "trainer.monitor_direction=minimize"],
+     "trainer.monitor_direction=minimize: val_accuracy is better when higher; use trainer.monitor_direction=maximize "
+     "(or auto)"),
+    (["task.metrics=[{_target_:sklearn.metrics.f1_score,average:macro,name:skf1}]", "trainer.monitor=val_skf1"],
+     "trainer.monitor_direction=auto: whether a higher val_skf1 is better is not known; set "
+     "trainer.monitor_direction=maximize or minimize"),
 ])
 def test_a_bad_custom_piece_is_one_line_and_writes_nothing(project, tmp_path, overrides, expected):
     run_dir = tmp_path / "run"
@@ -209,3 +217,71 @@ def test_a_study_objective_that_cannot_be_met_is_refused(project, tmp_path, sett
     proc = run_xtrain("-m", f"run_dir={tmp_path / 'study'}", *SPELLED, *STUDY, *settings, check=False, cwd=project)
     assert_one_line_error(proc, expected)
     assert not (tmp_path / "study").exists()
+
+
+POINTS = ("0_early_stop_patience=0", "1_early_stop_patience=1")
+MONITORED = ["trainer.monitor=val_accuracy", "trainer.export=best", "trainer.eval_every=20"]
+
+
+@pytest.fixture(scope="module")
+def monitored_sweep(project, tmp_path_factory):
+    """Two points watching val accuracy, their models the best eval's: one stops after an eval without improving."""
+    sweep_dir = tmp_path_factory.mktemp("monitored") / "sweep"
+    run_xtrain("-m", f"run_dir={sweep_dir}", *SPELLED, *TRAINER, *MONITORED, "trainer.early_stop_patience=0,1",
+               cwd=project)
+    return sweep_dir
+
+
+def test_export_best_holds_the_model_of_the_best_eval_and_an_early_stop_ends_at_a_step_boundary(monitored_sweep):
+    import xtrain
+    from mydata import Digits
+
+    val = Digits("val")
+    for point in POINTS:
+        result = read_result(monitored_sweep / point)
+        assert result["status"] == "completed"
+        accuracies = {row["step"]: row["val/accuracy"] for row in read_metrics(monitored_sweep / point)
+                      if "val/accuracy" in row}
+        best_step = max(accuracies, key=lambda step: (accuracies[step], -step))  # the first eval of the highest
+        assert result["monitor"]["best_step"] == result["model_step"] == best_step
+        assert result["monitor"]["best"] == accuracies[best_step] == result["best_val_accuracy"]
+        with torch.no_grad():
+            predicted = xtrain.load_model(monitored_sweep / point)(val.images).argmax(dim=1)
+        assert (predicted == val.labels).double().mean().item() == accuracies[best_step]
+    unbroken, stopped = (read_result(monitored_sweep / point) for point in POINTS)
+    assert unbroken["steps"] == 200 and "early_stop" not in unbroken
+    stop_step = stopped["early_stop"]["step"]
+    assert stopped["steps"] == stop_step < 200 and stop_step % 20 == 0
+    assert stopped["early_stop"] == {"step": stop_step, "patience": 1, "best_step": stop_step - 20}
+    steps = [row["step"] for row in read_metrics(monitored_sweep / POINTS[1]) if "val/accuracy" in row]
+    assert steps[-1] == stop_step and max(row["step"] for row in read_metrics(monitored_sweep / POINTS[1])) == stop_step
+    assert (monitored_sweep / POINTS[1] / "checkpoints" / f"step_{stop_step:08d}").is_dir()
+
+
+def test_a_grid_sweep_ranks_its_points_by_the_monitored_metric(monitored_sweep):
+    import csv
+
+    rows = list(csv.DictReader((monitored_sweep / "sweep.csv").open()))
+    top = max(rows, key=lambda r: float(r["val_accuracy"]))
+    assert f"Best (highest val_accuracy): **{top['point']}**" in (monitored_sweep / "summary.md").read_text()
+    from xtrain import status
+
+    text = status.sweep_status(monitored_sweep)
+    assert text.splitlines()[0].split()[:9] == ["point", "trainer.early_stop_patience", "status", "steps", "restarts",
+                                                "train_loss", "val_loss", "val_accuracy", "examples_per_s"]
+    assert f"best: {top['point']} (val_accuracy " in text
+
+
+def test_an_early_stopped_run_resumes_from_its_stop_to_the_unbroken_weights(monitored_sweep, digits_run, project,
+                                                                            tmp_path):
+    """Evals and the monitor change nothing that trains: resumed without the early stop, it ends where a run that
+    never stopped ends."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(monitored_sweep / POINTS[1], run_dir)
+    stop_step = read_result(run_dir)["early_stop"]["step"]
+    run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, *MONITORED, "resume=auto", "trainer.export=last", cwd=project)
+    result = read_result(run_dir)
+    assert result["resumed_from"].endswith(f"step_{stop_step:08d}") and result["steps"] == 200
+    assert result["restarts"][-1]["changed"] == {"trainer.early_stop_patience": [1, 0], "trainer.export": ["best", "last"]}
+    assert result["model_step"] == 200 and "early_stop" not in result
+    assert_equal_weights(digits_run, run_dir)

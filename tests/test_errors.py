@@ -43,6 +43,10 @@ def snapshot(root: Path) -> dict[str, str]:
          ["trainer.fused_optimizer=true", "DeepSpeedCPUAdam", "trainer.fused_optimizer=false"]),
         (["strategy=fsdp", "strategy.fsdp_version=1", "trainer.compile=true"],
          ["trainer.compile=true", "strategy.fsdp_version=1", "strategy.fsdp_version=2"]),
+        (["trainer.monitor=val_accuracy"],
+         ["trainer.monitor=val_accuracy: the task does not compute it; it computes val_loss, val_ppl"]),
+        (["trainer.monitor=val_ppl", "trainer.monitor_direction=maximize"],
+         ["trainer.monitor_direction=maximize: val_ppl is better when lower; use trainer.monitor_direction=minimize"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, expected):

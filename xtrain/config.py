@@ -16,7 +16,8 @@ from xtrain.cluster_config import ClusterConfig
 from xtrain.lora_config import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
 from xtrain.strategy_config import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
                                      StrategyConfig)
-from xtrain.task_config import TargetData, TargetModel, TaskConfig, TaskKind, target_data, target_model
+from xtrain.task_config import (TargetData, TargetModel, TaskConfig, TaskKind, eval_values, known_direction,
+                                 target_data, target_model)
 from xtrain.errors import ConfigError, override_of, non_negative, positive, unknown_setting
 
 
@@ -61,6 +62,17 @@ class Fp8Backend(Enum):
     te = "te"  # NVIDIA Transformer Engine
     torchao = "torchao"
     msamp = "msamp"
+
+
+class Direction(Enum):
+    auto = "auto"  # maximize accuracy, f1_macro, precision_macro, recall_macro; minimize loss, ppl, mse, mae
+    maximize = "maximize"
+    minimize = "minimize"
+
+
+class Export(Enum):
+    last = "last"  # model/ holds the model as training ended
+    best = "best"  # model/ holds the model of the eval with the best `trainer.monitor`
 
 
 class TrackerKind(Enum):
@@ -217,6 +229,21 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
     start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
+    monitor: str = "val_loss"
+    """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
+    `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
+    sweep's points."""
+    monitor_direction: Direction = Direction.auto
+    """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics (a metric by
+    `_target_` needs `maximize` or `minimize`)."""
+    export: Export = Export.last
+    """What `model/` holds: the `last` model, or the `best` one by `monitor` (exported at each eval that improves
+    it; result.json's `model_step` says which)."""
+    early_stop_patience: int = 0
+    """Stop when this many evals in a row have not improved `monitor` (by more than `early_stop_min_delta`): at that
+    step boundary, with its checkpoint and `model/`; the run is `completed` and `early_stop` records why. 0: never."""
+    early_stop_min_delta: float = 0.0
+    """How much `monitor` must improve on its best for an eval to count as an improvement."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",
@@ -228,6 +255,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (resume needs one)")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        non_negative("trainer.early_stop_patience", self.early_stop_patience)
+        non_negative("trainer.early_stop_min_delta", self.early_stop_min_delta)
 
 
 @dataclass
@@ -342,6 +371,7 @@ def from_container(container: Any) -> RunConfig:
     if model or data:
         cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
     check_task(cfg)
+    check_monitor(cfg)
     if cfg.task.name is TaskKind.custom and cfg.task.code_dir is None:
         import os
 
@@ -363,6 +393,28 @@ def check_task(cfg: RunConfig) -> None:
                           "add task=custom")
     if not custom and isinstance(cfg.data, TargetData):
         raise ConfigError("data.train._target_: datasets by _target_ are trained by task=custom; add task=custom")
+
+
+def monitor_direction(trainer: TrainerConfig) -> str:
+    """`maximize` or `minimize`: `trainer.monitor_direction`, or where it is `auto`, the monitored value's."""
+    if trainer.monitor_direction is not Direction.auto:
+        return trainer.monitor_direction.value
+    return known_direction(trainer.monitor) or "minimize"
+
+
+def check_monitor(cfg: RunConfig) -> None:
+    """`trainer.monitor` names a value the task's evals record, in a direction that fits it."""
+    t, computed = cfg.trainer, eval_values(cfg.task)
+    if t.monitor not in computed:
+        raise ConfigError(f"trainer.monitor={t.monitor}: the task does not compute it; it computes {', '.join(computed)}")
+    known = known_direction(t.monitor)
+    if t.monitor_direction is Direction.auto and known is None:
+        raise ConfigError(f"trainer.monitor_direction=auto: whether a higher {t.monitor} is better is not known; set "
+                          "trainer.monitor_direction=maximize or minimize")
+    if known is not None and t.monitor_direction is not Direction.auto and t.monitor_direction.value != known:
+        better = "higher" if known == "maximize" else "lower"
+        raise ConfigError(f"trainer.monitor_direction={t.monitor_direction.value}: {t.monitor} is better when {better}; "
+                          f"use trainer.monitor_direction={known} (or auto)")
 
 
 def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:

@@ -28,8 +28,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, multiprocess, plan,
                     plugins, reporting, resume, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
+from xtrain.monitor import EARLY_STOP, Monitor
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
-from xtrain.config import Precision, RunConfig, Strategy
+from xtrain.config import Export, Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
 from xtrain.files import replace_dir
 from xtrain.optim import build_optimizer, lr_factor, set_hyperparameters
@@ -83,6 +84,8 @@ class Progress:
     last_finite: tuple[int, float] | None = None
     pruned: bool = False  # a study's pruner asked this trial to stop
     best: dict = field(default_factory=dict)  # best_val_<metric> so far (travels in checkpoints)
+    monitor: Monitor | None = None  # trainer.monitor's best so far (travels in checkpoints)
+    early_stop: bool = False  # trainer.early_stop_patience evals without improvement
 
 
 def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task) -> Components:
@@ -126,7 +129,7 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
     """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, on the main process the
     last step logged before the cut, and the settings that changed since the checkpoint (preflight allowed them;
     the optimizer's and the schedule's take effect here)."""
-    progress, last_logged, changed = Progress(step=0, tokens_seen=0, skipped=0), 0, {}
+    progress, last_logged, changed = Progress(step=0, tokens_seen=0, skipped=0, monitor=Monitor.of(cfg.trainer)), 0, {}
     if resume_from is not None:
         checkpoint.load(accelerator, resume_from, only_trainable=cfg.model.lora.enabled)
         state = checkpoint.read_state(resume_from)
@@ -134,7 +137,7 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
         progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
                             skipped=state.get("skipped_steps", 0),
                             window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
-                            best=state.get("best", {}))
+                            best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, state.get("monitor")))
         found = resume.changes(state["config"], config.to_container(cfg)) if "config" in state else []
         if any(change.key in resume.APPLICABLE for change in found):
             set_hyperparameters(c.optimizer, c.scheduler, cfg)
@@ -222,7 +225,9 @@ def _train(run_dir: Path) -> dict:
                               init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
     result["peak_rss_model_ready_bytes"] = model_ready
-    result.update(progress.best)
+    result.update(progress.best, monitor=progress.monitor.state())
+    if t.export is Export.best and progress.monitor.best_step is not None:  # model/ holds that eval's model
+        result["model_step"] = progress.monitor.best_step
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged, changed))
@@ -233,6 +238,7 @@ def _train(run_dir: Path) -> dict:
     train_start, tokens_at_start = time.time(), progress.tokens_seen
     if start_step == 0:
         result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
+        judge(accelerator, cfg, c, progress, result, run_dir)
     batches = _recording_first_batch(
         micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
@@ -244,8 +250,9 @@ def _train(run_dir: Path) -> dict:
         with logging_redirect_tqdm():
             stop = run_steps(accelerator, cfg, c, batches, progress, result, run_dir, bar, process_start)
         wall = time.time() - train_start
-        if stop is None:
+        if (stop is None or stop["signal"] == EARLY_STOP) and t.export is Export.last:
             save_model(accelerator, c, run_dir)
+            result["model_step"] = progress.step
     except BaseException as err:
         result["status"] = Status.interrupted if isinstance(err, KeyboardInterrupt) else Status.failed
         result["error"] = f"{type(err).__name__}: {err}"
@@ -267,20 +274,24 @@ def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | 
            per_s: float, c_unit: str, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     pruned = stop is not None and stop["signal"] == trial.PRUNER
+    early = stop is not None and stop["signal"] == EARLY_STOP
     result.update(
-        status=Status.completed if stop is None else Status.pruned if pruned else Status.interrupted,
+        status=Status.completed if stop is None or early else Status.pruned if pruned else Status.interrupted,
         **{f"{c_unit}_per_s": per_s},
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
-    if pruned:
+    if early:
+        result["early_stop"] = {"step": stop["step"], "patience": cfg.trainer.early_stop_patience,
+                                "best_step": result["monitor"]["best_step"]}
+    elif pruned:
         result.update(stop=stop, error=f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved")
     elif stop is not None:
         result.update(stop=stop, error=f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved")
     if accelerator.is_main_process:
         rundir.update_result(run_dir, result)
-        if stop is None:
-            log.info("done: %d steps | %s | %.0f %s/s | %s", cfg.trainer.max_steps, reporting.eval_text(result, final=True), per_s,
+        if stop is None or early:
+            log.info("done: %d steps | %s | %.0f %s/s | %s", result["steps"], reporting.eval_text(result, final=True), per_s,
                      c_unit, run_dir)
     return result
 
@@ -304,12 +315,14 @@ def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, 
             note_first_step(result, process_start)
         saved = periodic(accelerator, cfg, c, p, result, run_dir, bar)
         result["steps"], result["skipped_steps"] = step, p.skipped
-        if (stop or p.pruned) and step < t.max_steps:
+        if (stop or p.pruned or p.early_stop) and step < t.max_steps:
             if not saved:
                 save_checkpoint(accelerator, cfg, run_dir, p)
             request = stopping.requested() or {"signal": "a stop request on another rank", "at": time.time()}
             if p.pruned and not stop:
                 request = {"signal": trial.PRUNER, "at": time.time()}
+            elif p.early_stop and not stop:
+                request = {"signal": EARLY_STOP, "at": time.time()}
             log.info("step %d | stopped by %s: checkpoint saved", step, request["signal"])
             return {**request, "step": step}
     return None
@@ -337,6 +350,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     if step % t.eval_every == 0 or last:
         result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
         p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
+        judge(accelerator, cfg, c, p, result, run_dir, last)
         p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
@@ -344,9 +358,22 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     return False
 
 
+def judge(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
+          last: bool = False) -> None:
+    """After an eval: `trainer.monitor`'s verdict; the model exported where it improved (`export=best`), and an
+    early stop asked for where it stopped improving."""
+    improved, p.early_stop = p.monitor.judge(accelerator, p.step, result, cfg.trainer)
+    p.early_stop = p.early_stop and not last
+    result["monitor"] = p.monitor.state()
+    if improved and cfg.trainer.export is Export.best:
+        save_model(accelerator, c, run_dir)
+        result["model_step"] = p.step
+
+
 def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
     window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
     state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
+             "monitor": p.monitor.state(),
              **checkpoint.identity(cfg),
              "config": config.to_container(cfg)}  # what it was trained with: a resume with other settings says so
     checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)

@@ -20,7 +20,8 @@ from xtrain.errors import ConfigError
 # run, how they are watched. The world size is not among them: cluster.nodes x cluster.num_processes is the batch.
 CADENCE_OR_PLACEMENT = (
     "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
-    "trainer.sample_prompts", "trainer.sample_max_tokens", "tracker.", "task.code_dir", "data.num_proc", "data.cache_dir",
+    "trainer.sample_prompts", "trainer.sample_max_tokens", "trainer.monitor", "trainer.monitor_direction",
+    "trainer.export", "trainer.early_stop_patience", "trainer.early_stop_min_delta", "tracker.", "task.code_dir", "data.num_proc", "data.cache_dir",
     "cluster.kind", "cluster.node_rank", "cluster.main_process_ip", "cluster.main_process_port", "cluster.timeout_s",
     "cluster.gpu_memory_gb", "cluster.gpus_per_node", "cluster.cpus_per_task", "cluster.mem_gb", "cluster.time_limit",
     "cluster.partition", "cluster.account", "cluster.qos", "cluster.constraint", "cluster.exclude", "cluster.job_name",

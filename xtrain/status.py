@@ -30,7 +30,11 @@ def sweep_status(sweep_dir: Path) -> str:
     jobs = {e["dir"]: slurm_state(sweep_dir / e["dir"]) for e in entries}
     table = summary.write(sweep_dir)
     keys = summary.swept_keys(entries)
-    columns = SHOWN[:1] + keys + SHOWN[1:]
+    objective, direction = summary.ranking(sweep_dir)
+    shown = [summary.throughput_column(table) if c == "tokens_per_s" else c for c in SHOWN]
+    if objective not in shown:
+        shown.insert(shown.index("val_loss") + 1, objective)
+    columns = shown[:1] + keys + shown[1:]
     if any(jobs.values()):
         for r in table:
             r["slurm"] = jobs.get(r["point"]) or ""
@@ -40,8 +44,7 @@ def sweep_status(sweep_dir: Path) -> str:
         if r["error"]:
             lines.append(f"{r['point']}: {r['error']}")
     record = summary.study_record(sweep_dir)
-    objective = record.get("objective", "val_loss")
-    top = summary.best(table, objective, record.get("direction", "minimize"))
+    top = summary.best(table, objective, direction)
     if record:
         told = ", ".join(f"{n} {state}" for state, n in sorted(record["trials"].items()))
         lines.append(f"study {record['study_name']}: {sum(record['trials'].values())} of {record['n_trials']} trials "
@@ -86,9 +89,11 @@ def run_status(run_dir: Path) -> str:
     lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {max_steps}"]
     if job:
         lines.append(f"  slurm            {job}")
-    names = ["train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences", "world_size", "wall_time_s"]
+    metrics = [key for key in row if key.startswith("val_") and key not in ("val_loss", "val_ppl")]
+    names = ["train_loss", "val_loss", "val_ppl", *metrics, summary.throughput_column([row]), "batch_sequences",
+             "world_size", "wall_time_s"]
     for name in (["restarts", "steps_lost"] if row["restarts"] else []) + names:
-        if row[name] != "":
+        if row.get(name, "") != "":
             lines.append(f"  {name:16} {summary.fmt(row[name])}")
     if row["error"]:
         lines.append(f"  error            {row['error']}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
-from xtrain.task_config import MAXIMIZED
+from xtrain.task_config import known_direction
 
 JOURNAL = "study.journal"
 STUDY_FILE = "study.json"  # the study as the summary and xtrain.status show it
@@ -62,9 +62,11 @@ def check(s: StudySettings) -> StudySettings:
     if s.objective not in OBJECTIVES and not s.objective.startswith("val_"):
         raise ConfigError(f"hydra.sweeper.objective={s.objective}: must be one of {', '.join(OBJECTIVES)}, or "
                           "val_<metric> of the task's metrics (task.metrics)")
-    if s.objective[len("val_"):] in MAXIMIZED and s.direction == "minimize":
-        raise ConfigError(f"hydra.sweeper.direction=minimize: {s.objective} is better when higher; "
-                          "use hydra.sweeper.direction=maximize")
+    known = known_direction(s.objective)
+    if known is not None and s.direction != known:
+        better = "higher" if known == "maximize" else "lower"
+        raise ConfigError(f"hydra.sweeper.direction={s.direction}: {s.objective} is better when {better}; "
+                          f"use hydra.sweeper.direction={known}")
     make_pruner(s.pruner, s.pruner_settings)
     return s
 

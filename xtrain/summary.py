@@ -18,6 +18,7 @@ import yaml
 
 from xtrain import run_dir as rundir, study
 from xtrain.files import write_atomic
+from xtrain.task_config import known_direction
 
 CSV = "sweep.csv"
 MARKDOWN = "summary.md"
@@ -88,14 +89,33 @@ def rows(sweep_dir: Path) -> list[dict]:
     for entry in entries:
         values = dict(o.partition("=")[::2] for o in entry["overrides"])
         out.append({"point": entry["dir"], **{k: values.get(k, "") for k in keys}, **run_row(Path(sweep_dir) / entry["dir"])})
-    extra = [key for row in out for key in row if key not in out[0]]
-    return [{**row, **{key: row.get(key, "") for key in extra}} for row in out]
+    columns = list(dict.fromkeys(key for row in out for key in row))  # a pending point lacks its task's values
+    return [{key: row.get(key, "") for key in columns} for row in out]
 
 
 def study_record(sweep_dir: Path) -> dict:
     """A study's study.json (tune.py), or {} for a grid sweep."""
     path = Path(sweep_dir) / study.STUDY_FILE
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def ranking(sweep_dir: Path) -> tuple[str, str]:
+    """(value, direction) that ranks the points: a study's objective; else the points' `trainer.monitor`."""
+    record = study_record(sweep_dir)
+    if record:
+        return record.get("objective", "val_loss"), record.get("direction", "minimize")
+    for entry in rundir.sweep_points(sweep_dir):
+        trainer = run_config(Path(sweep_dir) / entry["dir"]).get("trainer")
+        if trainer:
+            name, direction = trainer.get("monitor", "val_loss"), trainer.get("monitor_direction", "auto")
+            return name, direction if direction != "auto" else known_direction(name) or "minimize"
+    return "val_loss", "minimize"
+
+
+def throughput_column(table: list[dict]) -> str:
+    """`tokens_per_s` or the task's own unit (`examples_per_s`), as the points recorded it."""
+    found = [key for row in table for key, value in row.items() if key.endswith("_per_s") and value != ""]
+    return found[0] if found else "tokens_per_s"
 
 
 def best(table: list[dict], objective: str = "val_loss", direction: str = "minimize") -> dict | None:
@@ -112,7 +132,7 @@ def fmt(value) -> str:
 
 def markdown(sweep_dir: Path, table: list[dict]) -> str:
     record = study_record(sweep_dir)
-    objective, direction = record.get("objective", "val_loss"), record.get("direction", "minimize")
+    objective, direction = ranking(sweep_dir)
     top = best(table, objective, direction)
     counts: dict[str, int] = {}
     for r in table:

@@ -11,6 +11,7 @@ from xtrain.lora_config import LoraConfig
 
 TARGET = "_target_"
 MAXIMIZED = {"accuracy", "f1_macro", "precision_macro", "recall_macro"}  # built-in metrics better when higher
+MINIMIZED = {"loss", "ppl", "mse", "mae"}
 
 
 class TaskKind(Enum):
@@ -58,6 +59,26 @@ class TargetData:
 
     train: Dict[str, Any]
     val: Dict[str, Any]
+
+
+def metric_name(spec: Any) -> str:
+    """A `task.metrics` entry's name: `val_<name>` in result.json, `val/<name>` in metrics.jsonl."""
+    if isinstance(spec, str):
+        return spec
+    return spec.get("name") or str(spec.get(TARGET, "")).rsplit(".", 1)[-1].lower()
+
+
+def eval_values(task: "TaskConfig") -> list[str]:
+    """What each eval records for this task: `val_loss`, `val_ppl` for language models, `val_<metric>`."""
+    if task.name is TaskKind.causal_lm:
+        return ["val_loss", "val_ppl"]
+    return ["val_loss", *(f"val_{metric_name(spec)}" for spec in task.metrics)]
+
+
+def known_direction(value_name: str) -> str | None:
+    """`maximize` or `minimize` for an eval value whose direction is known (`val_accuracy`, `val_loss`), else None."""
+    name = value_name[len("val_"):] if value_name.startswith("val_") else value_name
+    return "maximize" if name in MAXIMIZED else "minimize" if name in MINIMIZED else None
 
 
 def target_model(node: Any) -> TargetModel | None:

@@ -69,15 +69,13 @@ class Study:
                                   f"{str(err).split(': ', 1)[-1]}") from None
         self.corners = points
         objective = self.s.objective
-        if objective.startswith("val_") and objective not in ("val_loss", "val_ppl"):
-            from xtrain.task_config import TaskKind
-            from xtrain.tasks.metrics import name_of
+        if objective.startswith("val_"):
+            from xtrain.task_config import eval_values
 
-            task = points[0].cfg.task
-            names = [name_of(spec) for spec in task.metrics] if task.name is TaskKind.custom else []
-            if objective[len("val_"):] not in names:
+            computed = eval_values(points[0].cfg.task)
+            if objective not in computed:
                 raise ConfigError(f"hydra.sweeper.objective={objective}: the task does not compute it; it computes "
-                                  f"{', '.join(['val_loss', *(f'val_{n}' for n in names)])}")
+                                  f"{', '.join(computed)}")
         if not self.on_slurm:
             self.backend.check_points(points, n_jobs=self.s.n_jobs, setting="hydra.sweeper.n_jobs")
         log.info("study: %d trials, %s %s, sampler %s, pruner %s; the space's %d corner(s) checked",

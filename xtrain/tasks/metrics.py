@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from xtrain.errors import ConfigError
-from xtrain.task_config import MAXIMIZED  # noqa: F401 (the metrics better when higher)
+from xtrain.task_config import MAXIMIZED, metric_name as name_of  # noqa: F401 (the metrics better when higher)
 
 
 def _counts(preds: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,13 +79,6 @@ def resolve(key: str, path: str) -> Any:
         raise ConfigError(f"{key}._target_={path}: module {module_name} has no {attr}") from None
     except Exception as err:  # whatever importing the user's module raised
         raise ConfigError(f"{key}._target_={path}: cannot import: {type(err).__name__}: {err}") from None
-
-
-def name_of(spec) -> str:
-    """A `task.metrics` entry's name: `val_<name>` in result.json, `val/<name>` in metrics.jsonl."""
-    if isinstance(spec, str):
-        return spec
-    return spec.get("name") or str(spec.get("_target_", "")).rsplit(".", 1)[-1].lower()
 
 
 def build(specs: list) -> list[Metric]:
