@@ -36,6 +36,7 @@ class DataSource(Enum):
     text = "text"  # local files (.txt, .jsonl, .json, .jsonl.gz, .json.gz, .parquet, .csv)
     hf = "hf"  # a datasets hub name or a save_to_disk directory
     sft = "sft"  # instruction or chat examples (local files or a dataset), rendered with the model's chat template
+    images = "images"  # labelled images (task=image_cls): image folders, .npz arrays or Parquet files
 
 
 class ExampleFormat(Enum):
@@ -170,6 +171,9 @@ class DataConfig:
         if self.source is DataSource.sft and not (self.files or self.name):
             raise ConfigError("data.files is empty: data=sft needs example files (data.files=[chat.jsonl]) "
                               "or a dataset (data.name=<hub name or save_to_disk dir>)")
+        if self.source is DataSource.images and not self.files:
+            raise ConfigError("data.files is empty: data=images needs image folders (<root>/<class>/<image>.png), "
+                              ".npz or .parquet files, e.g. 'data.files=[photos]'")
         if self.source is DataSource.text and not self.files:
             raise ConfigError("data.files is empty: data=text needs files or globs, e.g. data.files=[notes/*.txt]")
         if self.source is DataSource.hf and not self.name:
@@ -371,7 +375,7 @@ def from_container(container: Any) -> RunConfig:
         cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
     check_task(cfg)
     check_monitor(cfg)
-    if cfg.task.name is TaskKind.custom and cfg.task.code_dir is None:
+    if cfg.task.name in (TaskKind.custom, TaskKind.image_cls) and cfg.task.code_dir is None:
         import os
 
         cfg.task.code_dir = os.getcwd()  # (recorded in run.yaml: every rank and node imports from there)
@@ -379,8 +383,16 @@ def from_container(container: Any) -> RunConfig:
 
 
 def check_task(cfg: RunConfig) -> None:
-    """A model and datasets by `_target_` go with task=custom, and task=custom needs them."""
+    """A model and datasets by `_target_` go with task=custom, and task=custom needs them; image_cls builds its
+    model by `_target_` and reads images; seq_cls fine-tunes a pretrained model on records."""
     custom = cfg.task.name is TaskKind.custom
+    if cfg.task.name is TaskKind.image_cls:
+        if not isinstance(cfg.model, TargetModel):
+            raise ConfigError("task=image_cls: the model is built by _target_: use model=resnet, model=vit, or "
+                              "model._target_=<a callable returning an nn.Module>")
+        if isinstance(cfg.data, TargetData) or cfg.data.source is not DataSource.images:
+            raise ConfigError("task=image_cls: reads labelled images: use data=images 'data.files=[<image folder>]'")
+        return
     if custom and not isinstance(cfg.model, TargetModel):
         raise ConfigError("task=custom: model._target_ is missing: give the dotted path of a callable that returns "
                           "an nn.Module, e.g. model._target_=mymodels.build")

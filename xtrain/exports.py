@@ -7,8 +7,8 @@ from pathlib import Path
 
 def load_model(run_dir: str | Path):
     """The trained module: a model by `_target_` built from its recorded node with the trained weights loaded;
-    a transformers model through `AutoModelForSequenceClassification` (task=seq_cls) or `AutoModelForCausalLM`'s
-    `from_pretrained`."""
+    a transformers model through `AutoModelFor{SequenceClassification,ImageClassification,CausalLM}.from_pretrained`
+    as its config names it."""
     from xtrain import run_dir as rundir
     from xtrain.tasks import custom
 
@@ -19,9 +19,11 @@ def load_model(run_dir: str | Path):
         return custom.load(path)
     import json
 
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSequenceClassification
 
     architectures = json.loads((path / "config.json").read_text()).get("architectures") or [""]
     if architectures[0].endswith("ForSequenceClassification"):
         return AutoModelForSequenceClassification.from_pretrained(path)
+    if architectures[0].endswith("ForImageClassification"):
+        return AutoModelForImageClassification.from_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path)

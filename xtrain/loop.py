@@ -51,6 +51,8 @@ def micro_batches(accelerator: Accelerator, loader, start: int):
     while True:
         epoch_loader = accelerator.skip_first_batches(loader, offset) if offset else loader
         epoch_loader.set_epoch(epoch)
+        if hasattr(loader.dataset, "set_epoch"):  # a dataset whose items depend on the epoch (augmentation)
+            loader.dataset.set_epoch(epoch)
         yield from epoch_loader
         epoch, offset = epoch + 1, 0
 

@@ -17,6 +17,7 @@ MINIMIZED = {"loss", "ppl", "mse", "mae"}
 class TaskKind(Enum):
     causal_lm = "causal_lm"
     seq_cls = "seq_cls"
+    image_cls = "image_cls"
     custom = "custom"
 
 
@@ -45,8 +46,8 @@ class TaskConfig:
     """`task=custom`: where the `_target_`s' modules are imported from on every rank and node (default: the
     directory the command runs from)."""
     num_labels: Optional[int] = None
-    """`task=seq_cls`: the number of classes (label ids 0..num_labels-1, or that many distinct label names); 1 for
-    regression."""
+    """`task=seq_cls` and `image_cls`: the number of classes (label ids 0..num_labels-1, or that many distinct label
+    names or class folders); 1 for regression."""
     problem: Problem = Problem.single_label
     """`task=seq_cls`: `single_label` (one class per record), `multi_label` (a list of classes per record) or
     `regression` (a number)."""
@@ -54,8 +55,26 @@ class TaskConfig:
     """`task=seq_cls`: the records' label column (ints, or names mapped to ids in sorted order)."""
     text_pair_column: Optional[str] = None
     """`task=seq_cls`: a second text column, encoded with the first as a pair (premise, hypothesis)."""
+    num_channels: int = 3
+    """`task=image_cls`: images are converted to this many channels (1: grayscale, 3: RGB)."""
+    image_size: Optional[int] = None
+    """`task=image_cls`: images are resized to image_size x image_size pixels (default: kept; they must share one
+    size)."""
+    augment: List[str] = field(default_factory=list)
+    """`task=image_cls`: train-time augmentation, any of `hflip` (a random horizontal flip) and `crop` (a random crop
+    of the image padded by an eighth); each draw depends on trainer.seed, the epoch and the image alone."""
 
     def __post_init__(self) -> None:
+        if self.name is TaskKind.image_cls:
+            bad = sorted(set(self.augment) - {"hflip", "crop"})
+            if bad:
+                raise ConfigError(f"task.augment: no augmentation {bad[0]}; choose from hflip, crop")
+            if self.num_channels not in (1, 3):
+                raise ConfigError(f"task.num_channels={self.num_channels}: must be 1 (grayscale) or 3 (RGB)")
+            if self.num_labels is None or self.num_labels < 2:
+                got = " is missing" if self.num_labels is None else f"={self.num_labels}"
+                raise ConfigError(f"task.num_labels{got}: task=image_cls needs the number of classes (>= 2), e.g. "
+                                  "task.num_labels=10")
         if self.name is not TaskKind.seq_cls:
             return
         if self.problem is Problem.regression and self.num_labels not in (None, 1):

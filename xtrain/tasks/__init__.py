@@ -2,7 +2,7 @@
 holds, and the final export. The loop (loop.py) knows nothing else of the model or the data.
 
 The tasks: causal-LM training (`causal_lm.CausalLM`, the default), sequence classification with a pretrained
-transformers model (`seq_cls.SeqCls`), and the user's own model, datasets, loss and metrics by `_target_`
+transformers model (`seq_cls.SeqCls`), image classification (`image_cls.ImageCls`), and the user's own model, datasets, loss and metrics by `_target_`
 (`custom.Custom`); the interface is `Task`, in base.py.
 """
 
@@ -19,6 +19,10 @@ def for_config(cfg: RunConfig) -> Task:
         from xtrain.tasks.custom import Custom
 
         return Custom(cfg)
+    if cfg.task.name is TaskKind.image_cls:
+        from xtrain.tasks.image_cls import ImageCls
+
+        return ImageCls(cfg)
     if cfg.task.name is TaskKind.seq_cls:
         from xtrain.tasks.seq_cls import SeqCls
 

@@ -175,8 +175,12 @@ class Custom:
 
         (out / "model").mkdir(parents=True)
         save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, str(out / "model" / MODEL_FILE))
-        node = {"model": self.cfg.model.node(), "code_dir": self.cfg.task.code_dir}
+        node = {"model": self.model_node(), "code_dir": self.cfg.task.code_dir}
         (out / "model" / MODEL_NODE).write_text(json.dumps(node, indent=2) + "\n")
+
+    def model_node(self) -> dict:
+        """The node that builds the trained module again: `_target_` and its arguments."""
+        return self.cfg.model.node()
 
     def samples(self, model, prompts: list[str], max_tokens: int) -> list[str]:
         raise ConfigError("trainer.sample_prompts: answering prompts is for task=causal_lm")

@@ -1,0 +1,103 @@
+"""task=image_cls: scikit-learn's digits as an image folder and as .npz arrays, a ResNet and a ViT from transformers
+configs; augmentation drawn per (seed, epoch, image), so a resumed run ends bitwise equal to an unbroken one."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain
+
+TRAIN = ["task=image_cls", "task.num_labels=10", "task.num_channels=1", "trainer.batch_size=32", "trainer.lr=3e-3",
+         "trainer.warmup_steps=10", "data.val_fraction=0.15", "trainer.log_every=20"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """digits/<label>/<n>.png: 1,797 8x8 grayscale PNGs."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    root = tmp_path_factory.mktemp("images") / "digits"
+    images, labels = load_digits(return_X_y=True)
+    for i, (pixels, label) in enumerate(zip(images, labels)):
+        (root / str(label)).mkdir(parents=True, exist_ok=True)
+        Image.fromarray((pixels.reshape(8, 8) * 16).clip(0, 255).astype(np.uint8)).save(root / str(label) / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def resnet_run(folder, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("image_cls") / "run"
+    run_xtrain(f"run_dir={run_dir}", f"data.files=[{folder}]", *TRAIN, "trainer.max_steps=150",
+               "trainer.eval_every=50", "trainer.save_every=50")
+    return run_dir
+
+
+def test_a_resnet_from_a_transformers_config_learns_digits_from_an_image_folder(resnet_run, folder):
+    result = read_result(resnet_run)
+    assert result["status"] == "completed" and result["val_accuracy"] >= 0.85 and result["examples_per_s"] > 0
+    assert [row["step"] for row in read_metrics(resnet_run) if "val/accuracy" in row] == [0, 50, 100, 150]
+    import xtrain
+
+    model = xtrain.load_model(resnet_run)
+    assert type(model).__name__ == "ResNetForImageClassification"
+    assert model.config.id2label == {i: str(i) for i in range(10)} and model.config.num_channels == 1
+    from PIL import Image
+
+    pixels = torch.stack([torch.from_numpy(np.asarray(Image.open(path), dtype=np.float32)) / 127.5 - 1
+                          for path in sorted((folder / "7").glob("*.png"))[:50]])[:, None]
+    with torch.no_grad():
+        assert (model(pixels).logits.argmax(dim=1) == 7).double().mean() >= 0.8
+
+
+def test_an_augmented_run_resumed_after_an_epoch_boundary_ends_bitwise_equal(folder, tmp_path):
+    """1,527 train images, batch 32: epoch 1 starts at step 48. Resumed at step 20, the crops drawn after it (in
+    epoch 0 and in epoch 1) are the unbroken run's."""
+    augmented = [*TRAIN, f"data.files=[{folder}]", "task.augment=[crop,hflip]", "trainer.max_steps=60",
+                 "trainer.save_every=20", "trainer.eval_every=60", "trainer.keep_checkpoints=3"]
+    unbroken = tmp_path / "unbroken"
+    run_xtrain(f"run_dir={unbroken}", *augmented)
+    broken = tmp_path / "broken"  # as killed after step 20's checkpoint: the later files gone
+    shutil.copytree(unbroken, broken)
+    for later in ("model", "checkpoints/step_00000040", "checkpoints/step_00000060"):
+        shutil.rmtree(broken / later)
+    run_xtrain(f"run_dir={broken}", *augmented, "resume=auto")
+    assert read_result(broken)["resumed_from"].endswith("step_00000020")
+    assert_equal_weights(unbroken, broken)
+    no_crop = tmp_path / "plain"  # the augmentation is real: without it the run ends elsewhere
+    run_xtrain(f"run_dir={no_crop}", *[a for a in augmented if not a.startswith("task.augment")])
+    assert read_result(no_crop)["train_loss"] != read_result(unbroken)["train_loss"]
+
+
+def test_a_vit_learns_from_npz_arrays(tmp_path):
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    arrays = tmp_path / "digits.npz"
+    np.savez(arrays, images=images.reshape(-1, 8, 8), labels=labels)  # floats 0..16: scaled to 0..255
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", f"data.files=[{arrays}]", *TRAIN, "model=vit", "model.patch_size=2",
+               "trainer.max_steps=300", "trainer.eval_every=300")
+    result = read_result(run_dir)
+    assert result["val_accuracy"] >= 0.8 and result["val_loss"] < result["initial_val_loss"] / 2
+    import xtrain
+
+    model = xtrain.load_model(run_dir)
+    assert type(model).__name__ == "ViTForImageClassification" and model.config.image_size == 8
+
+
+@pytest.mark.parametrize("settings,expected", [
+    (["task.num_labels=9"], "task.num_labels=9: the images have 10 classes; use task.num_labels=10"),
+    (["task.augment=[rotate]"], "task.augment: no augmentation rotate; choose from hflip, crop"),
+    (["model=tiny_gpt2"], "task=image_cls: the model is built by _target_: use model=resnet, model=vit, or "
+                          "model._target_=<a callable returning an nn.Module>"),
+])
+def test_bad_image_cls_settings_are_one_line_and_write_nothing(folder, tmp_path, settings, expected):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", f"data.files=[{folder}]", *TRAIN, *settings, check=False)
+    assert_one_line_error(proc, expected)
+    assert not run_dir.exists()

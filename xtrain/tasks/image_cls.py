@@ -1,0 +1,102 @@
+"""`task=image_cls`: an image classifier (a ResNet or ViT from a transformers config, or any `_target_`) on labelled
+images prepared once (data/images.py). The builder gets `num_labels`, `num_channels` and `image_size` where its
+signature takes them and the model node does not set them. A transformers model is exported with `save_pretrained`
+(it loads with `AutoModelForImageClassification`), any other module as safetensors plus its node (custom.py)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+
+from xtrain.config import RunConfig
+from xtrain.data import images
+from xtrain.errors import ConfigError
+from xtrain.tasks import custom, metrics
+from xtrain.tasks.base import TaskData
+from xtrain.tasks.custom import Custom
+
+
+def resnet(num_labels: int, num_channels: int = 3, **settings) -> torch.nn.Module:
+    """`ResNetForImageClassification` from a `ResNetConfig` (random init); `settings` are the config's."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    return ResNetForImageClassification(ResNetConfig(num_labels=num_labels, num_channels=num_channels,
+                                                     **{"layer_type": "basic", **settings}))
+
+
+def vit(num_labels: int, num_channels: int = 3, image_size: int = 224, **settings) -> torch.nn.Module:
+    """`ViTForImageClassification` from a `ViTConfig` (random init); `settings` are the config's."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(num_labels=num_labels, num_channels=num_channels, image_size=image_size,
+                                               **settings))
+
+
+class ImageCls(Custom):
+    throughput_unit = "examples"
+    perplexity = False
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.label_names = None
+        self.node = cfg.model.node()
+
+    def model_node(self) -> dict:
+        return self.node
+
+    def check(self) -> None:
+        """On the driver, before anything launches: the sources exist and the builder makes a module."""
+        images.sources(self.cfg.data)
+        self.on_meta()
+
+    def identity(self) -> dict:
+        return {"model": {**self.cfg.model.node(), "num_labels": self.cfg.task.num_labels}}
+
+    def prepare(self) -> images.PreparedImages:
+        return images.prepare(self.cfg.data, self.cfg.task)
+
+    def build_model(self, image_size: int | None = None) -> torch.nn.Module:
+        """The model; `image_size` (the prepared images' side) is offered where `task.image_size` is not set."""
+        custom.importable(self.cfg.task.code_dir)
+        node = self.cfg.model.node()
+        task = self.cfg.task
+        offered = {"num_labels": task.num_labels, "num_channels": task.num_channels,
+                   "image_size": task.image_size or image_size}
+        target = metrics.resolve("model", node["_target_"])
+        try:
+            params = inspect.signature(target).parameters
+        except (TypeError, ValueError):  # a builtin without a signature: offer nothing
+            params = {}
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        extra = {k: v for k, v in offered.items() if v is not None and k not in node and (k in params or takes_any)}
+        self.node = {**node, **extra}  # what builds it again (xtrain.load_model)
+        model = custom.call("model", node, **extra)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model._target_={node['_target_']}: returned a {type(model).__name__}, not a "
+                              "torch.nn.Module")
+        return model
+
+    def on_meta(self) -> torch.nn.Module:
+        with torch.device("meta"):
+            return self.build_model()
+
+    def build(self, accelerator) -> TaskData:
+        prepared = self.prepare()  # (prepared by the driver: read from the cache)
+        self.label_names = prepared.meta["label_names"]
+        train_set, val_set = prepared.splits(self.cfg.task.augment, self.cfg.trainer.seed)
+        model = self.build_model(image_size=prepared.meta["size"][0])
+        if self.label_names and hasattr(getattr(model, "config", None), "id2label"):
+            model.config.id2label = dict(enumerate(self.label_names))
+            model.config.label2id = {name: i for i, name in enumerate(self.label_names)}
+        return TaskData(model, train_set, val_set, unit="images")
+
+    def export(self, model, state_dict: dict, out: Path) -> None:
+        if hasattr(model, "save_pretrained"):
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+            model.save_pretrained(out / "model", state_dict=state_dict, safe_serialization=True)
+            return
+        super().export(model, state_dict, out)
