@@ -25,7 +25,8 @@ model.lora.modules_to_save model.lora.quantize_base
 data.source data.files data.name data.config_name data.split data.text_column data.block_size data.val_fraction
 data.max_val_tokens data.num_proc
 data.cache_dir data.format data.train_on data.packing data.chat_template
-task.name task.metrics task.loss task.code_dir
+task.name task.metrics task.loss task.code_dir task.num_labels task.problem task.label_column task.text_pair_column
+task.num_channels task.image_size task.augment
 strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading
@@ -61,15 +62,20 @@ def test_default_composes_to_typed_config():
 
 
 CUSTOM = ["model._target_=m.build", "data.train._target_=d.build", "data.val._target_=d.build"]
+IMAGES = ["task=image_cls", "data.files=[photos]", "task.num_labels=10"]
 
 
 @pytest.mark.parametrize(
     "group,option,extra",
-    [("model", o, {"hf": ["model.name_or_path=gpt2"], "custom": ["task=custom", *CUSTOM]}.get(o, []))
+    [("model", o, {"hf": ["model.name_or_path=gpt2"], "custom": ["task=custom", *CUSTOM],
+                   "resnet": IMAGES, "vit": IMAGES}.get(o, []))
      for o in options("model")]
     + [("data", o, {"text": ["data.files=[a.txt]"], "hf": ["data.name=x"], "custom": ["task=custom", *CUSTOM],
-                   "sft": ["data.files=[a.jsonl]", "model=hf", "model.name_or_path=gpt2"]}.get(o, [])) for o in options("data")]
-    + [("task", o, CUSTOM if o == "custom" else []) for o in options("task")]
+                   "sft": ["data.files=[a.jsonl]", "model=hf", "model.name_or_path=gpt2"],
+                   "images": IMAGES}.get(o, [])) for o in options("data")]
+    + [("task", o, {"custom": CUSTOM, "image_cls": IMAGES[1:],
+                    "seq_cls": ["model.name_or_path=gpt2", "data.files=[a.jsonl]", "task.num_labels=2"]}.get(o, []))
+       for o in options("task")]
     + [(g, o, []) for g in ("strategy", "precision", "trainer", "tracker") for o in options(g)]
     # (cluster=slurm with a request that needs no partition's numbers: no SLURM here)
     + [("cluster", o, ["cluster.gpus_per_node=0", "cluster.cpus_per_task=1"] if o == "slurm" else []) for o in options("cluster")],
@@ -78,6 +84,9 @@ def test_every_option_composes(group, option, extra):
     cfg = compose_run(f"{group}={option}", *extra)
     section = getattr(cfg, group)
     field = {"model": None, "data": "source", "cluster": "kind", "tracker": "kind"}.get(group, "name")
+    if option in ("resnet", "vit"):
+        assert section.target == f"xtrain.tasks.image_cls.{option}"
+        field = None
     if option == "custom" and group != "task":  # the user's own, by _target_
         assert getattr(section, "target", None) == "m.build" or section == TargetData({"_target_": "d.build"},
                                                                                       {"_target_": "d.build"})

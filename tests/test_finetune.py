@@ -158,7 +158,7 @@ def test_padding_instead_of_packing_gives_the_same_losses(tmp_path, tiny):
     padded, _ = prepared(tiny, [path], "data.packing=false", "data.val_fraction=0.1").splits()
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     with torch.no_grad():
-        batch = PadToLongest(0)([padded[i] for i in range(len(padded))])
+        batch = PadToLongest({"input_ids": 0, "labels": -100})([padded[i] for i in range(len(padded))])
         assert batch["attention_mask"].sum() < batch["attention_mask"].numel()  # examples differ in length
         sums, counts = sequence_losses(model(**inputs(batch)).logits, batch["labels"])
         packed_batch = torch.utils.data.default_collate([packed[i] for i in range(len(packed))])

@@ -16,8 +16,8 @@ from xtrain.cluster_config import ClusterConfig
 from xtrain.lora_config import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
 from xtrain.strategy_config import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
                                      StrategyConfig)
-from xtrain.task_config import (TargetData, TargetModel, TaskConfig, TaskKind, eval_values, known_direction,
-                                 target_data, target_model)
+from xtrain.task_config import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
+                                 check_monitor, monitor_direction, target_data, target_model)
 from xtrain.errors import ConfigError, override_of, non_negative, positive, unknown_setting
 
 
@@ -63,17 +63,6 @@ class Fp8Backend(Enum):
     te = "te"  # NVIDIA Transformer Engine
     torchao = "torchao"
     msamp = "msamp"
-
-
-class Direction(Enum):
-    auto = "auto"  # maximize accuracy, f1_macro, precision_macro, recall_macro; minimize loss, ppl, mse, mae
-    maximize = "maximize"
-    minimize = "minimize"
-
-
-class Export(Enum):
-    last = "last"  # model/ holds the model as training ended
-    best = "best"  # model/ holds the model of the eval with the best `trainer.monitor`
 
 
 class TrackerKind(Enum):
@@ -374,7 +363,7 @@ def from_container(container: Any) -> RunConfig:
     if model or data:
         cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
     check_task(cfg)
-    check_monitor(cfg)
+    check_monitor(cfg.trainer, cfg.task)
     if cfg.task.name in (TaskKind.custom, TaskKind.image_cls) and cfg.task.code_dir is None:
         import os
 
@@ -411,28 +400,6 @@ def check_task(cfg: RunConfig) -> None:
         if cfg.data.source not in (DataSource.text, DataSource.hf):
             raise ConfigError(f"data.source={cfg.data.source.value}: task=seq_cls reads labelled records; use "
                               "data=text 'data.files=[train.jsonl]' (JSONL, CSV, Parquet) or data=hf data.name=...")
-
-
-def monitor_direction(trainer: TrainerConfig) -> str:
-    """`maximize` or `minimize`: `trainer.monitor_direction`, or where it is `auto`, the monitored value's."""
-    if trainer.monitor_direction is not Direction.auto:
-        return trainer.monitor_direction.value
-    return known_direction(trainer.monitor) or "minimize"
-
-
-def check_monitor(cfg: RunConfig) -> None:
-    """`trainer.monitor` names a value the task's evals record, in a direction that fits it."""
-    t, computed = cfg.trainer, eval_values(cfg.task)
-    if t.monitor not in computed:
-        raise ConfigError(f"trainer.monitor={t.monitor}: the task does not compute it; it computes {', '.join(computed)}")
-    known = known_direction(t.monitor)
-    if t.monitor_direction is Direction.auto and known is None:
-        raise ConfigError(f"trainer.monitor_direction=auto: whether a higher {t.monitor} is better is not known; set "
-                          "trainer.monitor_direction=maximize or minimize")
-    if known is not None and t.monitor_direction is not Direction.auto and t.monitor_direction.value != known:
-        better = "higher" if known == "maximize" else "lower"
-        raise ConfigError(f"trainer.monitor_direction={t.monitor_direction.value}: {t.monitor} is better when {better}; "
-                          f"use trainer.monitor_direction={known} (or auto)")
 
 
 def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:

@@ -45,18 +45,6 @@ log = logging.getLogger("xtrain")
 _HELD_UNTIL_EXIT: list = []
 
 
-def micro_batches(accelerator: Accelerator, loader, start: int):
-    """Endless micro-batches over epochs, starting at micro-batch `start` (resume skips, never replays)."""
-    epoch, offset = divmod(start, len(loader))
-    while True:
-        epoch_loader = accelerator.skip_first_batches(loader, offset) if offset else loader
-        epoch_loader.set_epoch(epoch)
-        if hasattr(loader.dataset, "set_epoch"):  # a dataset whose items depend on the epoch (augmentation)
-            loader.dataset.set_epoch(epoch)
-        yield from epoch_loader
-        epoch, offset = epoch + 1, 0
-
-
 @dataclass
 class Components:
     """Everything the loop needs, already passed through `accelerator.prepare`."""
@@ -242,7 +230,7 @@ def _train(run_dir: Path) -> dict:
         result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
         judge(accelerator, cfg, c, progress, result, run_dir)
     batches = _recording_first_batch(
-        micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
+        sampler.micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
     bar = tqdm(
         total=t.max_steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True,
@@ -362,8 +350,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
 
 def judge(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
           last: bool = False) -> None:
-    """After an eval: `trainer.monitor`'s verdict; the model exported where it improved (`export=best`), and an
-    early stop asked for where it stopped improving."""
+    """After an eval: `trainer.monitor`'s verdict; `export=best` exports the model where it improved."""
     improved, p.early_stop = p.monitor.judge(accelerator, p.step, result, cfg.trainer)
     p.early_stop = p.early_stop and not last
     result["monitor"] = p.monitor.state()

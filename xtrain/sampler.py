@@ -1,4 +1,4 @@
-"""The train loader's shuffle for corpora of millions of examples.
+"""The train loader's micro-batches over epochs, and its shuffle for corpora of millions of examples.
 
 `accelerator.prepare` rebuilds a shuffled loader's sampler as Accelerate's `SeedableRandomSampler` (xtrain asks for
 it: every epoch's order is a function of `trainer.seed` and the epoch, the same on every rank and after a resume).
@@ -40,3 +40,15 @@ def lean(loader) -> None:
                                             generator=sampler.generator, data_seed=sampler.initial_seed)
     replacement.epoch = sampler.epoch
     loader.set_sampler(replacement)
+
+
+def micro_batches(accelerator, loader, start: int):
+    """Endless micro-batches over epochs, starting at micro-batch `start` (resume skips, never replays)."""
+    epoch, offset = divmod(start, len(loader))
+    while True:
+        epoch_loader = accelerator.skip_first_batches(loader, offset) if offset else loader
+        epoch_loader.set_epoch(epoch)
+        if hasattr(loader.dataset, "set_epoch"):  # a dataset whose items depend on the epoch (augmentation)
+            loader.dataset.set_epoch(epoch)
+        yield from epoch_loader
+        epoch, offset = epoch + 1, 0

@@ -1,4 +1,5 @@
-"""The `task` settings, and a user's own model and datasets by `_target_` (`task=custom`)."""
+"""The `task` settings, a user's own model and datasets by `_target_` (`task=custom`), and the eval values a task
+records, which `trainer.monitor` and a study's objective may name (with their direction)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ class TaskKind(Enum):
     seq_cls = "seq_cls"
     image_cls = "image_cls"
     custom = "custom"
+
+
+class Direction(Enum):
+    auto = "auto"  # maximize accuracy, f1_macro, precision_macro, recall_macro; minimize loss, ppl, mse, mae
+    maximize = "maximize"
+    minimize = "minimize"
+
+
+class Export(Enum):
+    last = "last"  # model/ holds the model as training ended
+    best = "best"  # model/ holds the model of the eval with the best `trainer.monitor`
 
 
 class Problem(Enum):
@@ -157,3 +169,26 @@ def _target_of(key: str, node: dict) -> str:
         raise ConfigError(f"{key}._target_ is missing: give the dotted path of a callable, e.g. "
                           f"{key}._target_=mymodule.build")
     return target
+
+
+def monitor_direction(trainer) -> str:
+    """`maximize` or `minimize`: `trainer.monitor_direction`, or where it is `auto`, the monitored value's."""
+    if trainer.monitor_direction is not Direction.auto:
+        return trainer.monitor_direction.value
+    return known_direction(trainer.monitor) or "minimize"
+
+
+def check_monitor(t, task: TaskConfig) -> None:
+    """`trainer.monitor` (of the trainer settings `t`) names a value the task's evals record, in a direction that
+    fits it."""
+    computed = eval_values(task)
+    if t.monitor not in computed:
+        raise ConfigError(f"trainer.monitor={t.monitor}: the task does not compute it; it computes {', '.join(computed)}")
+    known = known_direction(t.monitor)
+    if t.monitor_direction is Direction.auto and known is None:
+        raise ConfigError(f"trainer.monitor_direction=auto: whether a higher {t.monitor} is better is not known; set "
+                          "trainer.monitor_direction=maximize or minimize")
+    if known is not None and t.monitor_direction is not Direction.auto and t.monitor_direction.value != known:
+        better = "higher" if known == "maximize" else "lower"
+        raise ConfigError(f"trainer.monitor_direction={t.monitor_direction.value}: {t.monitor} is better when {better}; "
+                          f"use trainer.monitor_direction={known} (or auto)")

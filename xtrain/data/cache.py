@@ -64,6 +64,20 @@ class Prepared:
         return Blocks(tokens, val, self.meta, "train"), Blocks(tokens, val, self.meta, "val")
 
 
+def held_out(n: int, fraction: float) -> np.ndarray:
+    """The held-out records of `n` (at least one): a draw of `fraction` by the data's own seed, sorted."""
+    return np.sort(np.random.default_rng(VAL_SPLIT_SEED).permutation(n)[: max(1, round(n * fraction))])
+
+
+def split_rows(held: np.ndarray, n: int, split: str) -> np.ndarray:
+    """The rows of `split` (train or val) of `n` records, `held` being the val rows."""
+    if split == "val":
+        return held
+    keep = np.ones(n, dtype=bool)
+    keep[held] = False
+    return np.flatnonzero(keep)
+
+
 def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 

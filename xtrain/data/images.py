@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from xtrain.config import DataConfig
-from xtrain.data.cache import VAL_SPLIT_SEED, build_once, node_name
+from xtrain.data.cache import build_once, held_out, node_name, split_rows
 from xtrain.data.sources import cache_dir, resolve_files, sha
 from xtrain.errors import ConfigError
 from xtrain.task_config import TaskConfig
@@ -177,10 +177,10 @@ def write_entry(path: Path, paths: list[str], data: DataConfig, task: TaskConfig
     if min(ids) < 0:
         raise ConfigError(f"data.files: a label id is {min(ids)}; ids are 0..num_labels-1")
     n = len(ids)
-    held = np.random.default_rng(VAL_SPLIT_SEED).permutation(n)[: max(1, round(n * data.val_fraction))]
+    held = held_out(n, data.val_fraction)
     np.save(path / PIXELS, np.stack(pixels))
     np.save(path / LABELS, np.asarray(ids, dtype=np.int64))
-    np.save(path / VAL, np.sort(held))
+    np.save(path / VAL, held)
     meta = {"records": n, "train": n - len(held), "val": len(held), "channels": int(pixels[0].shape[0]),
             "size": list(pixels[0].shape[1:]), "num_labels": len(names) if names else max(ids) + 1,
             "label_names": names, "prepared_on": node_name()}
@@ -194,13 +194,7 @@ class Images(Dataset):
 
     def __init__(self, path: Path, meta: dict, split: str, augment: list[str], seed: int):
         self.path, self.meta, self.augment, self.seed, self.epoch = path, meta, list(augment), seed, 0
-        val = np.load(path / VAL)
-        if split == "val":
-            self.index = val
-        else:
-            keep = np.ones(meta["records"], dtype=bool)
-            keep[val] = False
-            self.index = np.flatnonzero(keep)
+        self.index = split_rows(np.load(path / VAL), meta["records"], split)
         self.labels = torch.from_numpy(np.load(path / LABELS)[self.index])
         self._pixels = None
 

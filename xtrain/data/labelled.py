@@ -3,7 +3,7 @@
 Each record's text (or text pair) is tokenized with the model's tokenizer, truncated to `data.block_size` tokens,
 and stored with its label: an int id, a name (names are mapped to ids in sorted order and recorded), a list of
 either (multi-label), or a number (regression). A fixed-seed `data.val_fraction` of the records is held out. Each
-rank then reads items from memory-mapped arrays; `PadBatch` pads a batch to its longest example.
+rank then reads items from memory-mapped arrays; sft.PadToLongest pads a batch to its longest example.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from xtrain.config import DataConfig, DataSource, ModelConfig
-from xtrain.data.cache import VAL_SPLIT_SEED, build_once, node_name
+from xtrain.data.cache import build_once, held_out, node_name, split_rows
 from xtrain.data.sources import TEXT, Files, cache_dir, file_format, load_hf, raw_batches, sha
 from xtrain.errors import ConfigError
 from xtrain.task_config import Problem, TaskConfig
@@ -145,7 +145,7 @@ def write_entry(path: Path, source: Source, tokenizer, data: DataConfig, task: T
     n = len(starts) - 1
     if n < 2:
         raise ConfigError(f"data: {source.name} holds {n} record(s); classification needs at least 2 (train and val)")
-    held = np.random.default_rng(VAL_SPLIT_SEED).permutation(n)[: max(1, round(n * data.val_fraction))]
+    held = held_out(n, data.val_fraction)
     np.save(path / IDS, np.asarray(ids, dtype=np.int32))
     np.save(path / STARTS, np.asarray(starts, dtype=np.int64))
     if pair:
@@ -153,7 +153,7 @@ def write_entry(path: Path, source: Source, tokenizer, data: DataConfig, task: T
     float_labels = task.problem is Problem.regression
     np.save(path / LABELS, np.asarray(labels, dtype=np.float32 if float_labels else np.int64))
     np.save(path / LABEL_STARTS, np.asarray(label_starts, dtype=np.int64))
-    np.save(path / VAL, np.sort(held))
+    np.save(path / VAL, held)
     numbers = [] if float_labels or kinds == {str} else labels
     meta = {"records": n, "train": n - len(held), "val": len(held), "tokens": len(ids), "truncated": truncated,
             "pair": pair, "problem": task.problem.value, "label_names": sorted(names) if kinds == {str} else None,
@@ -199,13 +199,7 @@ class Records(Dataset):
 
     def __init__(self, path: Path, meta: dict, split: str, num_labels: int):
         self.path, self.meta, self.num_labels = path, meta, num_labels
-        val = np.load(path / VAL)
-        if split == "val":
-            self.index = val
-        else:
-            keep = np.ones(meta["records"], dtype=bool)
-            keep[val] = False
-            self.index = np.flatnonzero(keep)
+        self.index = split_rows(np.load(path / VAL), meta["records"], split)
         self._arrays = None
 
     def arrays(self) -> dict:
@@ -236,25 +230,3 @@ class Records(Dataset):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_arrays": None}
-
-
-class PadBatch:
-    """Collate records into a batch padded on the right to its longest: `attention_mask` marks the real tokens."""
-
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
-
-    def __call__(self, items: list[dict]) -> dict:
-        longest = max(len(item["input_ids"]) for item in items)
-        batch = {"input_ids": torch.full((len(items), longest), self.pad_id, dtype=torch.long),
-                 "attention_mask": torch.zeros((len(items), longest), dtype=torch.long)}
-        if "token_type_ids" in items[0]:
-            batch["token_type_ids"] = torch.zeros((len(items), longest), dtype=torch.long)
-        for row, item in enumerate(items):
-            n = len(item["input_ids"])
-            batch["input_ids"][row, :n] = item["input_ids"]
-            batch["attention_mask"][row, :n] = 1
-            if "token_type_ids" in item:
-                batch["token_type_ids"][row, :n] = item["token_type_ids"]
-        batch["labels"] = torch.stack([item["labels"] for item in items])
-        return batch

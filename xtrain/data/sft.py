@@ -289,19 +289,22 @@ class Examples(Dataset):
 
 
 class PadToLongest:
-    """Collate examples into a batch padded (on the right) to its longest: `attention_mask` marks the real tokens."""
+    """Collate items into a batch padded on the right to its longest `input_ids`: `attention_mask` marks the real
+    tokens; each key of `pads` is padded with its value, any other is stacked (a classifier's labels)."""
 
-    def __init__(self, pad_id: int):
-        self.pad_id = pad_id
+    def __init__(self, pads: dict[str, int]):
+        self.pads = pads
 
     def __call__(self, items: list[dict]) -> dict:
         longest = max(len(item["input_ids"]) for item in items)
-        batch = {"input_ids": torch.full((len(items), longest), self.pad_id, dtype=torch.long),
-                 "labels": torch.full((len(items), longest), IGNORE, dtype=torch.long),
-                 "attention_mask": torch.zeros((len(items), longest), dtype=torch.long)}
+        batch = {"attention_mask": torch.zeros((len(items), longest), dtype=torch.long)}
+        for key in items[0]:
+            if key not in self.pads:
+                batch[key] = torch.stack([item[key] for item in items])
+                continue
+            batch[key] = torch.full((len(items), longest), self.pads[key], dtype=torch.long)
+            for row, item in enumerate(items):
+                batch[key][row, :len(item[key])] = item[key]
         for row, item in enumerate(items):
-            n = len(item["input_ids"])
-            batch["input_ids"][row, :n] = item["input_ids"]
-            batch["labels"][row, :n] = item["labels"]
-            batch["attention_mask"][row, :n] = 1
+            batch["attention_mask"][row, :len(item["input_ids"])] = 1
         return batch

@@ -59,9 +59,10 @@ class CausalLM:
             return TaskData(model, train_set, val_set, unit="blocks", unit_note=f" of {cfg.data.block_size} tokens")
         if cfg.data.packing:
             return TaskData(model, train_set, val_set, unit="packed blocks", unit_note=f" of {cfg.data.block_size} tokens")
-        from xtrain.data.sft import PadToLongest
+        from xtrain.data.sft import IGNORE as NOT_TRAINED, PadToLongest
 
-        return TaskData(model, train_set, val_set, unit="examples", collate=PadToLongest(self.tokenizer.pad_token_id))
+        pads = {"input_ids": self.tokenizer.pad_token_id, "labels": NOT_TRAINED}
+        return TaskData(model, train_set, val_set, unit="examples", collate=PadToLongest(pads))
 
     def loss(self, model, batch) -> torch.Tensor:
         return model(**inputs(batch), labels=targets(batch)).loss

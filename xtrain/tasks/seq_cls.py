@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from xtrain import lora, model as models, plugins
 from xtrain.config import RunConfig
 from xtrain.data import labelled
+from xtrain.data.sft import PadToLongest
 from xtrain.errors import ConfigError
 from xtrain.task_config import PROBLEM_TYPES, Problem
 from xtrain.tasks import metrics as built_in
@@ -105,7 +106,7 @@ class SeqCls(Custom):
         if self.cfg.model.lora.enabled:
             model = lora.adapt(model, self.cfg.model.lora, task_type="SEQ_CLS")
         return TaskData(model, train_set, val_set, unit="examples",
-                        collate=labelled.PadBatch(self.tokenizer.pad_token_id))
+                        collate=PadToLongest({"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 0}))
 
     def loss_fn(self):
         problem = self.task.problem
