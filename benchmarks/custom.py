@@ -50,7 +50,8 @@ def xtrain_steps_per_s(steps: int, batch: int, run_dir: Path) -> float:
 
 
 def hand_written_steps_per_s(steps: int, batch: int) -> float:
-    """The loop an Accelerate user writes (its cv_example.py, minus the image pipeline)."""
+    """The loop an Accelerate user writes (its cv_example.py, minus the image pipeline: a schedule stepped with the
+    optimizer, as there), with gradient clipping as xtrain's default."""
     from mydata import Digits
     from mymodels import cnn
 
@@ -60,7 +61,8 @@ def hand_written_steps_per_s(steps: int, batch: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)
     loader = DataLoader(Digits("train"), batch_size=batch, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(0))
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps)
+    model, optimizer, loader, schedule = accelerator.prepare(model, optimizer, loader, schedule)
     done, start = 0, None
     while done < steps:
         for images, labels in loader:
@@ -68,6 +70,7 @@ def hand_written_steps_per_s(steps: int, batch: int) -> float:
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)  # as xtrain's default trainer.max_grad_norm
             optimizer.step()
+            schedule.step()
             optimizer.zero_grad()
             done += 1
             if done == steps // 2:

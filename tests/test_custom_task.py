@@ -21,6 +21,36 @@ TRAINER = ["trainer.batch_size=32", "trainer.max_steps=200", "trainer.warmup_ste
            "trainer.eval_every=50", "trainer.save_every=50", "trainer.log_every=25"]
 
 
+# A model whose repeated block FSDP2 finds only as the children of its nn.ModuleList (no _no_split_modules)
+BLOCKS = """import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, width=64, depth=2, num_classes=10):
+        super().__init__()
+        self.embed = nn.Linear(64, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, images):
+        x = self.embed(images.flatten(1))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+"""
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     """The example project, outside the package: its modules import only from there."""
@@ -30,6 +60,7 @@ def project(tmp_path_factory):
         "import torch\n\n\ndef triples(split='train'):\n    return [(torch.zeros(1, 8, 8), 0, 1)] * 8\n\n\n"
         "def records(split='train'):\n    return [{'image': torch.zeros(1, 8, 8)}] * 8\n\n\n"
         "def not_a_model(channels=16):\n    return {'channels': channels}\n")
+    (where / "blocks.py").write_text(BLOCKS)
     return where
 
 
@@ -285,3 +316,54 @@ def test_an_early_stopped_run_resumes_from_its_stop_to_the_unbroken_weights(moni
     assert result["restarts"][-1]["changed"] == {"trainer.early_stop_patience": [1, 0], "trainer.export": ["best", "last"]}
     assert result["model_step"] == 200 and "early_stop" not in result
     assert_equal_weights(digits_run, run_dir)
+
+
+BLOCKS_RUN = ["task=custom", "model._target_=blocks.Net", "data.train._target_=mydata.digits",
+              "+data.train.split=train", "data.val._target_=mydata.digits", "+data.val.split=val",
+              "task.metrics=[accuracy]", "trainer.max_steps=40", "trainer.warmup_steps=5", "trainer.lr=3e-3",
+              "trainer.eval_every=20", "trainer.save_every=40", "trainer.log_every=10"]
+
+
+@pytest.fixture(scope="module")
+def blocks_one_process(project, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("blocks") / "run"
+    run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, "trainer.batch_size=32", cwd=project)
+    return run_dir
+
+
+# ZeRO-3 partitions and reduce-scatters in buckets, FSDP2 per block: their sums round differently from one process's
+@pytest.mark.parametrize("strategy,env,tolerance", [
+    ("zero3", "XTRAIN_TEST_ZERO_ON_CPU", dict(rtol=1e-3, atol=1e-4)),
+    ("fsdp", "XTRAIN_TEST_FSDP_ON_CPU", dict(rtol=1e-3, atol=1e-4)),
+])
+def test_a_custom_model_under_zero3_and_fsdp2_follows_one_process(project, blocks_one_process, tmp_path, strategy, env,
+                                                                   tolerance):
+    """2 ranks x batch 16 against 1 process x batch 32 (the same effective batch); FSDP2 wraps the blocks of the
+    model's nn.ModuleList."""
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, f"strategy={strategy}", "cluster.num_processes=2",
+               "trainer.batch_size=16", env={env: "1"}, cwd=project)
+    result, one = read_result(run_dir), read_result(blocks_one_process)
+    assert result["status"] == "completed" and result["world_size"] == 2
+    assert result["model_parameters"] == one["model_parameters"]
+    if strategy == "fsdp":
+        assert result["fsdp_units"] == {"Block": 2, "Net": 1}
+    first, first_one = read_metrics(run_dir)[0], read_metrics(blocks_one_process)[0]
+    assert first["step"] == 0 and first["val/accuracy"] == first_one["val/accuracy"]  # the same initial weights
+    from safetensors.torch import load_file
+
+    expected, got = (load_file(path / "model" / "model.safetensors") for path in (blocks_one_process, run_dir))
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], **tolerance)
+    assert abs(result["val_accuracy"] - one["val_accuracy"]) <= 2 / 297  # at most two of 297 answers differ
+
+
+def test_fsdp_refuses_a_model_without_a_repeated_block_in_one_line(project, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(f"run_dir={run_dir}", *SPELLED, "strategy=fsdp", "cluster.num_processes=2", check=False,
+                      env={"XTRAIN_TEST_FSDP_ON_CPU": "1"}, cwd=project)
+    assert_one_line_error(proc, "strategy.wrap_layer is empty: Sequential declares no layer class to wrap "
+                                "(_no_split_modules) and holds no nn.ModuleList of blocks; set it to the class of its "
+                                "repeated block")
+    assert not run_dir.exists()

@@ -90,6 +90,28 @@ def test_a_vit_learns_from_npz_arrays(tmp_path):
     assert type(model).__name__ == "ViTForImageClassification" and model.config.image_size == 8
 
 
+def test_parquet_images_prepare_to_the_folders_pixels(folder, tmp_path):
+    """The same PNGs as encoded bytes in a Parquet file (datasets' {bytes, path} form) give the same pixels."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from xtrain.config import DataConfig, DataSource
+    from xtrain.data import images
+    from xtrain.task_config import TaskConfig, TaskKind
+
+    files = sorted(folder.glob("*/*.png"), key=lambda p: (p.parent.name, p.name))
+    pq.write_table(pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p in files],
+                             "label": [int(p.parent.name) for p in files]}), tmp_path / "digits.parquet")
+    task = TaskConfig(name=TaskKind.image_cls, num_labels=10, num_channels=1)
+    cache = dict(cache_dir=str(tmp_path / "cache"), val_fraction=0.15)
+    from_folder = images.prepare(DataConfig(source=DataSource.images, files=[str(folder)], **cache), task)
+    from_parquet = images.prepare(DataConfig(source=DataSource.images, files=[str(tmp_path / "digits.parquet")],
+                                             **cache), task)
+    assert from_parquet.meta["num_labels"] == 10 and from_parquet.meta["records"] == 1797
+    assert np.array_equal(np.load(from_folder.path / images.PIXELS), np.load(from_parquet.path / images.PIXELS))
+    assert np.array_equal(np.load(from_folder.path / images.LABELS), np.load(from_parquet.path / images.LABELS))
+
+
 @pytest.mark.parametrize("settings,expected", [
     (["task.num_labels=9"], "task.num_labels=9: the images have 10 classes; use task.num_labels=10"),
     (["task.augment=[rotate]"], "task.augment: no augmentation rotate; choose from hflip, crop"),

@@ -98,15 +98,20 @@ def test_lora_trains_and_saves_the_head_with_the_adapter(encoder, reviews, tmp_p
 @pytest.fixture(scope="module")
 def tagged(tmp_path_factory):
     """Reviews of two aspects (food, staff), each good or bad: multi-label (the aspects praised) and a score."""
+    import csv
+
     rng = random.Random(2)
-    path = tmp_path_factory.mktemp("tagged") / "train.jsonl"
-    with path.open("w") as f:
+    where = tmp_path_factory.mktemp("tagged")
+    with (where / "train.jsonl").open("w") as f, (where / "scores.csv").open("w", newline="") as scores:
+        table = csv.writer(scores)
+        table.writerow(["text", "score"])
         for _ in range(240):
             food, staff = rng.random() < 0.5, rng.random() < 0.5
             text = f"The food was {rng.choice(GOOD if food else BAD)} and the staff {rng.choice(GOOD if staff else BAD)}."
             praised = [name for name, good in (("food", food), ("staff", staff)) if good]
-            f.write(json.dumps({"text": text, "label": praised, "score": float(food + staff)}) + "\n")
-    return path
+            f.write(json.dumps({"text": text, "label": praised}) + "\n")
+            table.writerow([text, float(food + staff)])
+    return where
 
 
 @pytest.mark.parametrize("settings,expected", [
@@ -115,8 +120,10 @@ def tagged(tmp_path_factory):
     (["task.problem=regression", "task.label_column=score", "task.metrics=[mse,mae]", "trainer.lr=1e-3"], "regression"),
 ])
 def test_multi_label_and_regression_learn(encoder, tagged, tmp_path, settings, expected):
+    """Multi-label from JSONL (lists of names), regression from CSV (a score column)."""
     run_dir = tmp_path / "run"
-    run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, tagged, *settings))
+    files = tagged / ("scores.csv" if expected == "regression" else "train.jsonl")
+    run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, files, *settings))
     result = read_result(run_dir)
     assert result["val_loss"] < result["initial_val_loss"] / 2
     if expected == "regression":
