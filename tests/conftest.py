@@ -46,7 +46,8 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
-BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py"}
+BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py",
+                "test_custom_task.py", "test_decorator.py"}
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -320,8 +320,8 @@ def test_an_early_stopped_run_resumes_from_its_stop_to_the_unbroken_weights(moni
 
 BLOCKS_RUN = ["task=custom", "model._target_=blocks.Net", "data.train._target_=mydata.digits",
               "+data.train.split=train", "data.val._target_=mydata.digits", "+data.val.split=val",
-              "task.metrics=[accuracy]", "trainer.max_steps=40", "trainer.warmup_steps=5", "trainer.lr=3e-3",
-              "trainer.eval_every=20", "trainer.save_every=40", "trainer.log_every=10"]
+              "task.metrics=[accuracy]", "trainer.max_steps=24", "trainer.warmup_steps=4", "trainer.lr=3e-3",
+              "trainer.eval_every=12", "trainer.save_every=24", "trainer.log_every=6"]
 
 
 @pytest.fixture(scope="module")

@@ -390,12 +390,15 @@ def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum:
 
 def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, tokens: int, grad_accum: int, step: int,
                   last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, int, bool]:
-    """One all-reduce after each step: its mean loss over micro-batches and ranks, the tokens every rank
-    trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
+    """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
+    the tokens every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
     every rank alike (all see the mean)."""
     asked = float(stopping.requested() is not None)
-    own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(tokens)], device=loss_sum.device)])
-    mean_loss_sum, stop, mean_tokens = accelerator.reduce(own, "mean").tolist()
+    if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
+        mean_loss_sum, stop, mean_tokens = loss_sum.item(), asked, tokens
+    else:
+        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(tokens)], device=loss_sum.device)])
+        mean_loss_sum, stop, mean_tokens = accelerator.reduce(own, "mean").tolist()
     loss = mean_loss_sum / grad_accum
     if not math.isfinite(loss):
         before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"

@@ -148,7 +148,9 @@ class Custom:
         if losses.dim() == 0:
             raise ConfigError("task.loss: returned one value for the batch; return one loss per example "
                               "(reduction='none')")
-        return losses.reshape(len(target), -1).float().mean(dim=1), outputs, target
+        if losses.dim() > 1:  # e.g. per label: an example's loss is their mean
+            losses = losses.reshape(len(target), -1).mean(dim=1)
+        return losses.float(), outputs, target
 
     def loss(self, model, batch) -> torch.Tensor:
         return self.per_example(model, batch)[0].mean()
