@@ -44,6 +44,8 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
     cpu_zero = cpu_seams.zero_on_cpu(cfg)
     process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
+    if cpu_zero:
+        cpu_seams.skip_the_shared_memory_all_reduce()
     if cpu_zero and cfg.strategy.offload_optimizer.value != "none":
         cpu_seams.accept_torch_adamw_offloaded(kwargs["deepspeed_plugin"])
     if cpu_seams.fsdp_on_cpu(cfg):

@@ -65,6 +65,15 @@ def accept_torch_adamw_offloaded(deepspeed_plugin) -> None:
     deepspeed_plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
 
 
+def skip_the_shared_memory_all_reduce() -> None:
+    """ZeRO seam, before DeepSpeed sets up its process group: no shared-memory all-reduce op. DeepSpeed's CPU
+    accelerator compiles it on first use and takes a lock file for every later load; a rank killed while holding
+    it leaves the file, and every DeepSpeed run after waits for it forever. gloo's all-reduce serves instead."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def scale_fp16_losses(accelerator) -> None:
     """fp16 seam, after the Accelerator exists: what Accelerate sets up for fp16 on a GPU, on the CPU. The
     scale starts high enough that the first steps overflow for real, so the skip path runs."""
