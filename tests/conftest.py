@@ -45,25 +45,19 @@ SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accu
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# The suite's three xdist streams (`pytest -n 3 --dist loadgroup`, make test), each a group of whole files whose
-# busy times are about equal: the SLURM tests, which mostly wait on the scheduler, with two local files beside them;
-# the sharded strategies and the long single runs, which keep the cores busy; and everything else.
-SLURM_STREAM = {"test_tune.py", "test_trackers.py"}
-SHARDED_STREAM = {"test_fsdp_on_cpu.py", "test_zero_on_cpu.py", "test_finetune.py", "test_compile.py",
-                  "test_fp16_on_cpu.py", "test_train.py"}
+# Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
+BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py",
+                "test_custom_task.py", "test_decorator.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """One xdist group per stream: a worker runs each, and the SLURM one starts the test cluster, once."""
+    """Under `pytest -n 2 --dist loadgroup` (make test): the SLURM tests run in one worker, everything else in the
+    other (but BESIDE_SLURM). The SLURM tests spend most of their time waiting on the scheduler, with one CPU per
+    job; one worker starts the test cluster, once."""
     for item in items:
-        if "slurm_cluster" in item.fixturenames or item.path.name in SLURM_STREAM:
-            stream = "slurm"
-        elif item.path.name in SHARDED_STREAM:
-            stream = "sharded"
-        else:
-            stream = "local"
-        item.add_marker(pytest.mark.xdist_group(stream))
+        beside = "slurm_cluster" in item.fixturenames or item.path.name in BESIDE_SLURM
+        item.add_marker(pytest.mark.xdist_group("slurm" if beside else "local"))
 
 
 @pytest.fixture(scope="session", autouse=True)
