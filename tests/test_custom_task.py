@@ -3,6 +3,7 @@ examples/digits project, copied outside the package, the command run from there)
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import time
@@ -331,15 +332,23 @@ def blocks_one_process(project, tmp_path_factory):
     return run_dir
 
 
-# ZeRO-3 partitions and reduce-scatters in buckets, FSDP2 per block: their sums round differently from one process's
-@pytest.mark.parametrize("strategy,env,tolerance", [
-    ("zero3", "XTRAIN_TEST_ZERO_ON_CPU", dict(rtol=1e-3, atol=1e-4)),
-    ("fsdp", "XTRAIN_TEST_FSDP_ON_CPU", dict(rtol=1e-3, atol=1e-4)),
+def blocks_weights(*run_dirs):
+    from safetensors.torch import load_file
+
+    return [load_file(run_dir / "model" / "model.safetensors") for run_dir in run_dirs]
+
+
+# ZeRO partitions and reduce-scatters in buckets, FSDP2 per block: their sums round differently from one process's
+@pytest.mark.parametrize("strategy,env", [
+    ("zero1", "XTRAIN_TEST_ZERO_ON_CPU"),
+    ("zero2", "XTRAIN_TEST_ZERO_ON_CPU"),
+    ("zero3", "XTRAIN_TEST_ZERO_ON_CPU"),
+    ("fsdp", "XTRAIN_TEST_FSDP_ON_CPU"),
 ])
-def test_a_custom_model_under_zero3_and_fsdp2_follows_one_process(project, blocks_one_process, tmp_path, strategy, env,
-                                                                   tolerance):
-    """2 ranks x batch 16 against 1 process x batch 32 (the same effective batch); FSDP2 wraps the blocks of the
-    model's nn.ModuleList."""
+def test_a_custom_model_under_every_sharded_strategy_follows_one_process(project, blocks_one_process, tmp_path,
+                                                                        strategy, env):
+    """2 ranks x batch 16 against 1 process x batch 32 (the same effective batch), within rtol 1e-3 / atol 1e-4;
+    FSDP2 wraps the blocks of the model's nn.ModuleList."""
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, f"strategy={strategy}", "cluster.num_processes=2",
                "trainer.batch_size=16", env={env: "1"}, cwd=project)
@@ -348,15 +357,51 @@ def test_a_custom_model_under_zero3_and_fsdp2_follows_one_process(project, block
     assert result["model_parameters"] == one["model_parameters"]
     if strategy == "fsdp":
         assert result["fsdp_units"] == {"Block": 2, "Net": 1}
+    else:
+        assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["stage"] == int(strategy[-1])
     first, first_one = read_metrics(run_dir)[0], read_metrics(blocks_one_process)[0]
     assert first["step"] == 0 and first["val/accuracy"] == first_one["val/accuracy"]  # the same initial weights
-    from safetensors.torch import load_file
-
-    expected, got = (load_file(path / "model" / "model.safetensors") for path in (blocks_one_process, run_dir))
+    expected, got = blocks_weights(blocks_one_process, run_dir)
     assert got.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], **tolerance)
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-4)
     assert abs(result["val_accuracy"] - one["val_accuracy"]) <= 2 / 297  # at most two of 297 answers differ
+
+
+def test_a_compiled_custom_model_follows_eager_under_eagers_names(project, blocks_one_process, tmp_path):
+    """Each of the nn.ModuleList's blocks compiled in place, the other modules leaf by leaf: the same parameter
+    names and, up to rounding, the same weights."""
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, "trainer.batch_size=32", "trainer.compile=true", cwd=project)
+    assert read_result(run_dir)["compiled_regions"] == 4  # embed, the 2 blocks and head
+    expected, got = blocks_weights(blocks_one_process, run_dir)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-5)
+
+
+def test_a_custom_model_in_bf16_trains_under_autocast_near_fp32(project, blocks_one_process, tmp_path):
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, "trainer.batch_size=32", "precision=bf16", cwd=project)
+    result, one = read_result(run_dir), read_result(blocks_one_process)
+    assert result["precision"] == "bf16" and result["autocast"] is True
+    assert result["val_loss"] == pytest.approx(one["val_loss"], rel=0.05) and result["val_loss"] != one["val_loss"]
+    assert {t.dtype for t in blocks_weights(run_dir)[0].values()} == {torch.float32}  # fp32 master weights
+
+
+def test_two_ranks_stop_early_together_at_a_step_boundary(project, tmp_path):
+    """A min_delta no eval can beat: the first eval after step 0 does not improve on it, and patience 1 ends the run
+    there. Both ranks stop at that step (rank 0's verdict) and each saves its part of the step's checkpoint."""
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, "trainer.batch_size=16", "cluster.num_processes=2",
+               "trainer.monitor=val_accuracy", "trainer.early_stop_patience=1", "trainer.early_stop_min_delta=2",
+               cwd=project)
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["world_size"] == 2
+    assert result["steps"] == 12 and result["early_stop"] == {"step": 12, "patience": 1, "best_step": 0}
+    assert max(row["step"] for row in read_metrics(run_dir)) == 12
+    saved = run_dir / "checkpoints" / "step_00000012"
+    assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
 
 
 def test_fsdp_refuses_a_model_without_a_repeated_block_in_one_line(project, tmp_path):

@@ -73,12 +73,17 @@ def test_an_augmented_run_resumed_after_an_epoch_boundary_ends_bitwise_equal(fol
     assert read_result(no_crop)["train_loss"] != read_result(unbroken)["train_loss"]
 
 
-def test_a_vit_learns_from_npz_arrays(tmp_path):
+def digits_npz(where) -> str:
     from sklearn.datasets import load_digits
 
     images, labels = load_digits(return_X_y=True)
-    arrays = tmp_path / "digits.npz"
+    arrays = where / "digits.npz"
     np.savez(arrays, images=images.reshape(-1, 8, 8), labels=labels)  # floats 0..16: scaled to 0..255
+    return arrays
+
+
+def test_a_vit_learns_from_npz_arrays(tmp_path):
+    arrays = digits_npz(tmp_path)
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", f"data.files=[{arrays}]", *TRAIN, "model=vit", "model.patch_size=2",
                "trainer.max_steps=300", "trainer.eval_every=300")
@@ -88,6 +93,27 @@ def test_a_vit_learns_from_npz_arrays(tmp_path):
 
     model = xtrain.load_model(run_dir)
     assert type(model).__name__ == "ViTForImageClassification" and model.config.image_size == 8
+
+
+def test_a_vit_on_two_processes_follows_one_process(tmp_path):
+    """2 ranks x batch 16 against 1 process x batch 32 (the same effective batch; a ViT has no batch statistics):
+    the same weights within rtol 1e-3 / atol 1e-4, and step 0's eval over 270 images (2 x 16 does not divide them)
+    exactly one process's."""
+    vit = [f"data.files=[{digits_npz(tmp_path)}]", *[a for a in TRAIN if not a.startswith("trainer.batch_size")],
+           "model=vit", "model.patch_size=2", "trainer.max_steps=24", "trainer.eval_every=12", "trainer.save_every=24"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_xtrain(f"run_dir={one}", *vit, "trainer.batch_size=32")
+    run_xtrain(f"run_dir={two}", *vit, "trainer.batch_size=16", "cluster.num_processes=2")
+    assert read_result(two)["world_size"] == 2
+    first_one, first_two = read_metrics(one)[0], read_metrics(two)[0]
+    assert first_one["step"] == first_two["step"] == 0 and first_two["val/accuracy"] == first_one["val/accuracy"]
+    assert first_two["val/loss"] == pytest.approx(first_one["val/loss"], rel=1e-9)
+    from conftest import model_weights
+
+    expected, got = model_weights(one), model_weights(two)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-3, atol=1e-4)
 
 
 def test_parquet_images_prepare_to_the_folders_pixels(folder, tmp_path):

@@ -75,6 +75,19 @@ def test_minilm_learns_named_labels_and_its_export_reloads_as_a_classifier(train
     assert type(xtrain.load_model(trained)).__name__ == "BertForSequenceClassification"
 
 
+def test_two_processes_give_one_processs_first_eval_exactly_and_learn(encoder, reviews, trained, tmp_path):
+    """80 val reviews over 2 ranks x batch 12 (the sampler pads the last batch; the gathered metrics drop the pad):
+    step 0's eval is one process's. Dropout draws differ per rank, so later evals are only good."""
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, "task.num_labels=2", "trainer.batch_size=12",
+                                              "cluster.num_processes=2"))
+    result, one = read_result(run_dir), read_metrics(trained)[0]
+    assert result["world_size"] == 2 and result["val_accuracy"] >= 0.9
+    first = read_metrics(run_dir)[0]
+    assert first["step"] == one["step"] == 0 and first["val/accuracy"] == one["val/accuracy"]
+    assert first["val/loss"] == pytest.approx(one["val/loss"], rel=1e-6)
+
+
 def test_lora_trains_and_saves_the_head_with_the_adapter(encoder, reviews, tmp_path):
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, "task.num_labels=2", "model.lora.enabled=true",
