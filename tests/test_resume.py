@@ -18,9 +18,9 @@ RUN = ["trainer.max_steps=40", "trainer.grad_accum=2", "trainer.save_every=10", 
        "trainer.log_every=5", "trainer.warmup_steps=5", "trainer.keep_checkpoints=2"]
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path, dropout):
-    overrides = [*RUN, f"model.dropout={dropout}"]
+def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
+    """With dropout, bitwise equality needs both the data order and every RNG restored."""
+    overrides = [*RUN, "model.dropout=0.1"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run_xtrain(f"run_dir={whole}", *overrides)
 
