@@ -2,7 +2,8 @@
 
 Accelerate falls back silently (FSDP to DDP on a CPU, N processes to N lone ones): `check_setup` stops a
 run that got anything other than the requested strategy and world. `fsdp_units` records what FSDP
-actually sharded. The CPU test seams (cpu_seams.py) hook in here and nowhere else in training.
+actually sharded. The CPU test seams (cpu_seams.py) set up their process groups and plugins here; preflight
+(hardware.py) lets them past its refusals and the optimizer (optim.py) knows ZeRO's on the CPU.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class TrainerConfig:
     default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
     sample_prompts: List[str] = field(default_factory=list)
     """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
-    has one): logged, written to samples.jsonl and sent to the trackers."""
+    has one): logged, written to metrics.jsonl (`sample/<i>`) and sent to the trackers."""
     sample_max_tokens: int = 48
     """New tokens per answer to `sample_prompts` (greedy)."""
     compile: bool = False

@@ -43,7 +43,7 @@ def run_node(run_dir: str) -> dict:
 
     A stop signal (SLURM's warning before the time limit, `scancel --signal=USR2`) ends training at a step
     boundary with a checkpoint on every node; node 0 then requeues the job, which resumes in the same run
-    dir (trainer.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
+    dir (loop.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
     from xtrain import config, hardware, stopping
     from xtrain.backends import local
     from xtrain.multiprocess import threads_per_process
