@@ -30,7 +30,8 @@ sys.path.insert(0, str(PROJECT))
 def xtrain_steps_per_s(steps: int, batch: int, run_dir: Path) -> float:
     from hydra import compose, initialize_config_module
 
-    from xtrain import backends, cli, config
+    from xtrain import cli, config
+    from xtrain.backends.registry import resolve_auto
     from xtrain.backends.local import run_here
 
     cli.register_schemas()
@@ -40,7 +41,7 @@ def xtrain_steps_per_s(steps: int, batch: int, run_dir: Path) -> float:
             "+data.train.split=train", "data.val._target_=mydata.digits", "+data.val.split=val",
             f"task.code_dir={PROJECT}", f"trainer.batch_size={batch}", f"trainer.max_steps={steps}",
             f"trainer.log_every={steps // 2}", f"trainer.eval_every={steps}", f"trainer.save_every={steps}"])
-    cfg = backends.resolve(config.from_container(cfg))
+    cfg = resolve_auto(config.from_container(cfg))
     from xtrain import launch
 
     run_here(cfg, launch.write_run_dir(cfg, launch.preflight(cfg)))

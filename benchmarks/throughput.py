@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from xtrain import backends, cli, config, data, model as models, run_dir as rundir
+from xtrain import cli, config, launch, model as models, run_dir as rundir
+from xtrain.backends.registry import resolve_auto
+from xtrain.data import lm
 from xtrain.loop import train
 from xtrain.optim import build_optimizer, lr_factor
 
@@ -41,7 +43,7 @@ def compose_config(overrides: list[str], run_path: Path, steps: int) -> config.R
                 f"trainer.eval_every={steps}", f"trainer.save_every={steps}", *overrides,
             ],
         )
-    return backends.resolve(config.from_container(cfg))
+    return resolve_auto(config.from_container(cfg))
 
 
 def matmul_peak_gflops(n: int = 2048, dtype=torch.float32, reps: int = 10) -> float:
@@ -69,7 +71,7 @@ def raw_loop_tokens_per_s(cfg: config.RunConfig, steps: int) -> float:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     set_seed(cfg.trainer.seed)
-    prepared = data.prepare(cfg.data, cfg.model)
+    prepared = lm.prepare(cfg.data, cfg.model)
     tokenizer, (train_set, _) = prepared.tokenizer, prepared.splits()
     model = models.build(cfg.model, tokenizer, cfg.data.block_size)
     optimizer = build_optimizer(model, cfg)
@@ -100,7 +102,7 @@ def raw_loop_tokens_per_s(cfg: config.RunConfig, steps: int) -> float:
 
 def xtrain_tokens_per_s(cfg: config.RunConfig) -> tuple[float, int]:
     """xtrain's own log window over the second half of the steps (the log at steps/2 starts it)."""
-    path = rundir.prepare(cfg)
+    path = launch.create_run_dir(cfg)
     result = train(path)
     rows = [json.loads(line) for line in (path / rundir.METRICS).read_text().splitlines()]
     last = [r for r in rows if "train/tokens_per_s" in r][-1]

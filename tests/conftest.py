@@ -17,7 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from xtrain import backends, config
+from xtrain import config
+from xtrain.backends.registry import resolve_auto
 from xtrain.config import RunConfig
 
 # The suite's two xdist streams share the machine's cores, so its training processes are often more threads than
@@ -243,7 +244,7 @@ def compose_run(*overrides: str) -> RunConfig:
     cli.register_schemas()
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
-    return backends.resolve(config.from_container(cfg))
+    return resolve_auto(config.from_container(cfg))
 
 
 def assert_one_line_error(proc, *expected: str) -> str:

@@ -39,10 +39,10 @@ def entries(cache: Path) -> list[Path]:
 
 
 def prepare(*overrides: str):
-    from xtrain import data
+    from xtrain.data import lm
 
     cfg = compose_run(*overrides)
-    return data.prepare(cfg.data, cfg.model)
+    return lm.prepare(cfg.data, cfg.model)
 
 
 def write_formats(root: Path, docs: list[str]) -> dict[str, Path]:

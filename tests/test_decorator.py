@@ -149,15 +149,15 @@ def test_what_a_cpu_cannot_run_is_refused(launch_args, message):
 
 def test_gpu_ids_are_indices_among_the_gpus_this_process_sees(monkeypatch):
     """Under a parent limited to GPUs 4-7 (a shared box, a SLURM binding), gpu_ids='1,3' are its 5 and 7."""
-    from xtrain import hardware
+    from xtrain import machine
     from xtrain.decorator import _accelerate_env, _launch_args
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    monkeypatch.setattr(hardware, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
     env = _accelerate_env(*_launch_args({"num_processes": 2, "gpu_ids": "1,3"}, cuda=True), port=29557)
     assert env["CUDA_VISIBLE_DEVICES"] == "5,7"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-1f2e,MIG-9a8b")
-    monkeypatch.setattr(hardware, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 2)
     env = _accelerate_env(*_launch_args({"num_processes": 1, "gpu_ids": "1"}, cuda=True), port=29558)
     assert env["CUDA_VISIBLE_DEVICES"] == "MIG-9a8b"
     with pytest.raises(RuntimeError, match=r"gpu_ids='1,2'\): '2' is not one of this process's GPUs 0..1"):

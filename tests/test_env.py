@@ -6,7 +6,7 @@ import subprocess
 import sys
 from importlib import metadata
 
-from xtrain import hardware
+from xtrain import hardware, machine
 from xtrain.config import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
 
 
@@ -29,15 +29,15 @@ def test_env_report():
 def test_gpus_without_bf16_or_fp8_units_are_refused_by_their_compute_capability(monkeypatch):
     """torch counts emulated bf16 as supported (V100, T4): xtrain refuses it by compute capability, and fp8
     below 8.9. The facts come from a short subprocess (a parent makes no CUDA context); here they are given."""
-    v100, a100, h100 = (hardware.Gpu("Tesla V100-SXM2-32GB", (7, 0), 32 << 30),
-                        hardware.Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80 << 30),
-                        hardware.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80 << 30))
+    v100, a100, h100 = (machine.Gpu("Tesla V100-SXM2-32GB", (7, 0), 32 << 30),
+                        machine.Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 80 << 30),
+                        machine.Gpu("NVIDIA H100 80GB HBM3", (9, 0), 80 << 30))
     bf16, fp8 = RunConfig(precision=PrecisionConfig(name=Precision.bf16)), RunConfig(precision=PrecisionConfig(name=Precision.fp8))
-    monkeypatch.setattr(hardware, "gpus", lambda: (v100,))
+    monkeypatch.setattr(machine, "gpus", lambda: (v100,))
     assert hardware.refusal(bf16) == (
         "precision=bf16: Tesla V100-SXM2-32GB (compute capability 7.0) has no bf16 units (needs >= 8.0, e.g. A100, "
         "H100; torch would emulate it, slowly); use precision=fp16 or precision=fp32")
-    monkeypatch.setattr(hardware, "gpus", lambda: (h100, a100))  # the oldest GPU decides
+    monkeypatch.setattr(machine, "gpus", lambda: (h100, a100))  # the oldest GPU decides
     assert hardware.refusal(bf16) is None
     assert hardware.refusal(fp8).startswith("precision=fp8: NVIDIA A100-SXM4-80GB (compute capability 8.0) has no FP8 units")
-    assert hardware.local_gpu_gb() == h100.memory_bytes / 1e9  # the plan's device memory: the first GPU's
+    assert machine.local_gpu_gb() == h100.memory_bytes / 1e9  # the plan's device memory: the first GPU's

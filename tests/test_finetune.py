@@ -30,10 +30,10 @@ def sft(model_dir: Path, files, *more: str) -> list[str]:
 
 
 def prepared(model_dir: Path, files, *more: str):
-    from xtrain import data
+    from xtrain.data import lm
 
     cfg = compose_run(*sft(model_dir, files, *more))
-    return data.prepare(cfg.data, cfg.model)
+    return lm.prepare(cfg.data, cfg.model)
 
 
 def examples(entry) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -81,10 +81,10 @@ def test_the_mask_is_exactly_the_assistant_tokens_in_every_shape(tmp_path, tiny)
     rows.save_to_disk(str(tmp_path / "saved"))
     for source in ([tmp_path / "pc.parquet"], [tmp_path / "pc.json"]):
         assert [(i.tolist(), m.tolist()) for i, m in examples(prepared(tiny, source))] == masks["messages"]
-    from xtrain import data
+    from xtrain.data import lm
 
     cfg = compose_run("model=hf", f"model.name_or_path={tiny}", "data=sft", f"data.name={tmp_path / 'saved'}")
-    assert [(i.tolist(), m.tolist()) for i, m in examples(data.prepare(cfg.data, cfg.model))] == masks["messages"]
+    assert [(i.tolist(), m.tolist()) for i, m in examples(lm.prepare(cfg.data, cfg.model))] == masks["messages"]
     everything = prepared(tiny, [tmp_path / "messages.jsonl"], "data.train_on=all")
     assert all(mask.all() for _, mask in examples(everything))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compose_run, xtrain_in_process
-from xtrain import plan
+from xtrain import estimate
 
 GB = 1e9
 
@@ -18,25 +18,25 @@ GB = 1e9
 ])
 def test_model_state_memory_matches_the_zero_paper(strategy, expected_gb):
     cfg = compose_run(f"strategy={strategy}", "precision=bf16", "cluster.nodes=8", "cluster.num_processes=8")
-    memory = plan.model_state_memory(7_500_000_000, cfg)
+    memory = estimate.model_state_memory(7_500_000_000, cfg)
     assert memory.total / GB == pytest.approx(expected_gb, abs=0.05)
 
 
 def test_fp32_and_fsdp_accounting():
     psi = 1_000_000_000
-    fp32 = plan.model_state_memory(psi, compose_run("precision=fp32"))
+    fp32 = estimate.model_state_memory(psi, compose_run("precision=fp32"))
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)
-    ddp = plan.model_state_memory(psi, compose_run("precision=bf16"))  # autocast keeps fp32 weights and gradients
+    ddp = estimate.model_state_memory(psi, compose_run("precision=bf16"))  # autocast keeps fp32 weights and gradients
     assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * psi, 4 * psi, 8 * psi)
-    zero1 = plan.model_state_memory(psi, compose_run("strategy=zero1", "precision=bf16", "cluster.num_processes=1"))
+    zero1 = estimate.model_state_memory(psi, compose_run("strategy=zero1", "precision=bf16", "cluster.num_processes=1"))
     assert (zero1.params, zero1.grads, zero1.optimizer) == (2 * psi, 2 * psi, 12 * psi)  # DeepSpeed's bf16 copies
-    fsdp = plan.model_state_memory(psi, compose_run("strategy=fsdp", "precision=bf16", "cluster.num_processes=8"))
+    fsdp = estimate.model_state_memory(psi, compose_run("strategy=fsdp", "precision=bf16", "cluster.num_processes=8"))
     assert fsdp.total == pytest.approx(16 * psi / 8)
-    hybrid = plan.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",
+    hybrid = estimate.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",
                                                       "strategy.sharding=hybrid_shard", "cluster.nodes=4",
                                                       "cluster.num_processes=8"))
     assert hybrid.total == pytest.approx(16 * psi / 8)  # sharded within a node only
-    grad_op = plan.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",
+    grad_op = estimate.model_state_memory(psi, compose_run("strategy=fsdp", "strategy.fsdp_version=1",
                                                        "strategy.sharding=shard_grad_op", "cluster.num_processes=8"))
     assert grad_op.params == 4 * psi and grad_op.grads + grad_op.optimizer == pytest.approx(12 * psi / 8)
 
@@ -44,23 +44,23 @@ def test_fp32_and_fsdp_accounting():
 def test_offload_moves_states_off_the_device():
     psi = 1_000_000_000
     cfg = compose_run("strategy=zero3", "precision=bf16", "cluster.num_processes=4", "strategy.offload_optimizer=cpu")
-    assert plan.model_state_memory(psi, cfg).optimizer == 0
+    assert estimate.model_state_memory(psi, cfg).optimizer == 0
     both = compose_run("strategy=zero3", "precision=bf16", "cluster.num_processes=4", "strategy.offload_optimizer=cpu",
                        "strategy.offload_param=cpu")
-    memory = plan.model_state_memory(psi, both)
+    memory = estimate.model_state_memory(psi, both)
     assert memory.params == memory.optimizer == 0 and memory.grads == pytest.approx(2 * psi / 4)
 
 
 def test_first_fit_suggests_the_least_sharding_that_fits():
     cfg = compose_run("precision=bf16", "cluster.num_processes=8")
     psi = 7_000_000_000  # per device: ddp 112 GB, zero1 28 + 10.5, zero2 14 + 12.25, zero3 14, offloads 3.5 / 1.75
-    assert plan.first_fit(psi, cfg, 120 * GB)[0] == "strategy=ddp"
-    assert plan.first_fit(psi, cfg, 80 * GB)[0] == "strategy=zero1"
-    assert plan.first_fit(psi, cfg, 30 * GB)[0] == "strategy=zero2"
-    assert plan.first_fit(psi, cfg, 20 * GB)[0] == "strategy=zero3"
-    assert plan.first_fit(psi, cfg, 4 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu"
-    assert plan.first_fit(psi, cfg, 2 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu"
-    assert plan.first_fit(psi, cfg, 1 * GB) is None
+    assert estimate.first_fit(psi, cfg, 120 * GB)[0] == "strategy=ddp"
+    assert estimate.first_fit(psi, cfg, 80 * GB)[0] == "strategy=zero1"
+    assert estimate.first_fit(psi, cfg, 30 * GB)[0] == "strategy=zero2"
+    assert estimate.first_fit(psi, cfg, 20 * GB)[0] == "strategy=zero3"
+    assert estimate.first_fit(psi, cfg, 4 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu"
+    assert estimate.first_fit(psi, cfg, 2 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu"
+    assert estimate.first_fit(psi, cfg, 1 * GB) is None
 
 
 LLAMA_70B = ["model=tiny_llama", "model.hidden_size=8192", "model.num_layers=80", "model.num_heads=64",

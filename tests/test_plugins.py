@@ -241,12 +241,12 @@ def test_fsdp_wrap_layer_is_detected_and_checked():
 
     gpt2 = models.on_meta(compose_run().model, 128)
     llama = models.on_meta(compose_run("model=tiny_llama").model, 128)
-    assert models.fsdp_wrap_layer(None, gpt2) == "GPT2Block"
-    assert models.fsdp_wrap_layer(None, llama) == "LlamaDecoderLayer"
-    assert models.fsdp_wrap_layer("GPT2MLP", gpt2) == "GPT2MLP"
+    assert plugins.fsdp_wrap_layer(None, gpt2) == "GPT2Block"
+    assert plugins.fsdp_wrap_layer(None, llama) == "LlamaDecoderLayer"
+    assert plugins.fsdp_wrap_layer("GPT2MLP", gpt2) == "GPT2MLP"
     with pytest.raises(ConfigError, match="strategy.wrap_layer=LlamaDecoderLayer: no such layer in GPT2LMHeadModel; "
                                           "choose one of GPT2Block"):
-        models.fsdp_wrap_layer("LlamaDecoderLayer", gpt2)
+        plugins.fsdp_wrap_layer("LlamaDecoderLayer", gpt2)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -220,10 +220,10 @@ def test_points_in_parallel_each_get_their_share_of_the_cores(tmp_path):
 def test_parallel_points_split_the_gpus_this_process_was_given(monkeypatch):
     """Under a parent limited to some GPUs (a shared box, a SLURM binding; ids, UUIDs or MIG instances), the
     points' slots split that list, never 0..k; `cluster.num_processes=auto` is each slot's share."""
-    from xtrain import hardware
+    from xtrain import hardware, machine
     from xtrain.backends import local
 
-    monkeypatch.setattr(hardware, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
+    monkeypatch.setattr(machine, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,GPU-8c1d,MIG-2f0e")
     assert local._slots(2) == [{"gpus": ["4", "5"]}, {"gpus": ["GPU-8c1d", "MIG-2f0e"]}]
     assert local._slots(4) == [{"gpus": ["4"]}, {"gpus": ["5"]}, {"gpus": ["GPU-8c1d"]}, {"gpus": ["MIG-2f0e"]}]
@@ -336,7 +336,7 @@ def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
     """Pure check, any machine: N points at once on G GPUs get G // N each; never fewer than they ask for."""
     from xtrain.backends.local import check_parallel
     from xtrain.errors import ConfigError
-    from xtrain.run_dir import Point
+    from xtrain.point import Point
 
     points = [Point(0, ["trainer.seed=1"], compose_run("cluster.num_processes=4")),
               Point(1, ["trainer.seed=2"], compose_run("cluster.num_processes=2"))]
@@ -379,7 +379,7 @@ def test_a_gpu_slot_is_free_only_once_the_points_process_has_exited(tmp_path):
     exited: until then that process holds the GPUs' memory, and the next point would start beside it."""
     from xtrain import run_dir as rundir
     from xtrain.backends.local import slot_is_free
-    from xtrain.run_dir import Point
+    from xtrain.point import Point
 
     point = Point(0, [], compose_run(f"run_dir={tmp_path / 'point'}"))
     point.path.mkdir()

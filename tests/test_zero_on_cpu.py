@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
-from xtrain import cpu_seams, hardware, plugins
+from xtrain import cpu_seams, hardware, machine, plugins
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
 
@@ -149,7 +149,7 @@ def test_nvme_offload_runs_or_is_refused_before_launch(tmp_path):
     nvme.mkdir()
     run_dir = tmp_path / "run"
     overrides = ["strategy.offload_optimizer=nvme", "strategy.offload_param=nvme", f"strategy.nvme_path={nvme}"]
-    if hardware.async_io_available():
+    if machine.async_io_available():
         zero_run(run_dir, "zero3", *overrides)
         result = read_result(run_dir)
         assert result["status"] == "completed" and result["val_loss"] < result["initial_val_loss"] - 0.5

@@ -12,48 +12,27 @@ import contextlib
 import functools
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 from xtrain.errors import ConfigError
 from xtrain.files import replace_dir
-
-STATE_FILE = "xtrain_state.json"
-_NAME = re.compile(r"^step_(\d{8})$")
-
-
-def directory(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def existing(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = directory(run_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
+from xtrain.run_dir import CHECKPOINT_NAME, CHECKPOINT_STATE, checkpoint_name, checkpoints_dir, complete_checkpoints
 
 def newest(run_dir: str | Path) -> Path | None:
-    found = existing(run_dir)
+    found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
 
 def read_state(path: str | Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
 
 
 def identity(cfg) -> dict:
     """What a checkpoint must match to be resumed by this run: the model and the strategy that wrote it."""
-    from xtrain import tasks
+    from xtrain.tasks.registry import task_for
 
-    return {**tasks.for_config(cfg).identity(), "strategy": cfg.strategy.name.value}
+    return {**task_for(cfg).identity(), "strategy": cfg.strategy.name.value}
 
 
 def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:
@@ -68,11 +47,11 @@ def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:
         path = Path(os.path.expanduser(resume))
         if not path.exists():
             raise ConfigError(f"resume={resume}: no such checkpoint; use resume=auto, resume=none or a checkpoint directory")
-        if not (path / STATE_FILE).is_file():
+        if not (path / CHECKPOINT_STATE).is_file():
             newest_inside = newest(path)
             if newest_inside is None:
                 raise ConfigError(
-                    f"resume={resume}: not an xtrain checkpoint (no {STATE_FILE}); "
+                    f"resume={resume}: not an xtrain checkpoint (no {CHECKPOINT_STATE}); "
                     "give <run dir>/checkpoints/step_N or a run dir that has checkpoints"
                 )
             path = newest_inside
@@ -92,19 +71,19 @@ def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:
 
 def remove_partial(run_dir: str | Path) -> None:
     """Remove leftovers of saves that were interrupted (never complete checkpoints)."""
-    root = directory(run_dir)
+    root = checkpoints_dir(run_dir)
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith(".tmp-") or (_NAME.match(p.name) and not (p / STATE_FILE).is_file()):
+            if p.name.startswith(".tmp-") or (CHECKPOINT_NAME.match(p.name) and not (p / CHECKPOINT_STATE).is_file()):
                 shutil.rmtree(p, ignore_errors=True)
 
 
 def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, only_trainable: bool = False) -> Path:
     """Every rank calls this; the main process publishes the checkpoint and prunes old ones. `only_trainable`
     (LoRA): the frozen weights are left out (they are the pretrained model's)."""
-    root = directory(run_dir)
-    final = root / name(step)
-    tmp = root / f".tmp-{name(step)}"
+    root = checkpoints_dir(run_dir)
+    final = root / checkpoint_name(step)
+    tmp = root / f".tmp-{checkpoint_name(step)}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -118,12 +97,12 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, on
             hook.remove()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state_file = tmp / STATE_FILE
+        state_file = tmp / CHECKPOINT_STATE
         state_file.write_text(json.dumps({"step": step, **state}, indent=2))
         with open(state_file) as f:
             os.fsync(f.fileno())
         replace_dir(tmp, final)
-        for stale in existing(run_dir)[:-keep]:
+        for stale in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(stale)
     accelerator.wait_for_everyone()
     return final

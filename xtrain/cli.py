@@ -57,10 +57,10 @@ def hydra_main(cfg: DictConfig):
     output_dir = HydraConfig.get().runtime.output_dir
     try:
         cfg.run_dir = output_dir
-        from xtrain import backends
+        from xtrain.backends.registry import backend_for, resolve_auto
 
-        run_config = backends.resolve(config.from_container(cfg))
-        return backends.for_cluster(run_config.cluster.kind).run(run_config).get("val_loss")
+        run_config = resolve_auto(config.from_container(cfg))
+        return backend_for(run_config.cluster.kind).run(run_config).get("val_loss")
     except ConfigError as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
         fail(str(err))

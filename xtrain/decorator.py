@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from xtrain import hardware
+from xtrain import machine
 
 MARK = "__xtrain_run_with_accelerate__"
 INSIDE = "XTRAIN_FUNCTION_WORKER"
@@ -103,7 +103,7 @@ def _accelerate_env(args, defaults, mp_from_config, port: int) -> dict:
     env = {k: v for k, v in env.items() if k.startswith(("ACCELERATE_", "FSDP_"))}
     env["ACCELERATE_USE_CPU"] = str(bool(args.cpu)).lower()
     if args.gpu_ids not in (None, "all"):
-        env["CUDA_VISIBLE_DEVICES"] = worker_gpus(args.gpu_ids, hardware.visible_gpu_ids())
+        env["CUDA_VISIBLE_DEVICES"] = worker_gpus(args.gpu_ids, machine.visible_gpu_ids())
     return env
 
 

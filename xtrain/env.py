@@ -11,7 +11,7 @@ import platform
 import sys
 from importlib import metadata
 
-from xtrain import hardware
+from xtrain import hardware, machine
 from xtrain.config import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
 
 PACKAGES = ["torch", "accelerate", "deepspeed", "transformers", "datasets", "hydra-core", "omegaconf", "wandb",
@@ -33,7 +33,7 @@ def devices() -> list[tuple[str, str]]:
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         rows.append(("cuda", f"no GPU visible (torch {torch.__version__}, {build})"))
-    for i, gpu in enumerate(hardware.gpus()):
+    for i, gpu in enumerate(machine.gpus()):
         rows.append((f"cuda:{i}", f"{gpu.name}, {gpu.memory_bytes / 1e9:.1f} GB, "
                                   f"compute capability {gpu.capability[0]}.{gpu.capability[1]}"))
     return rows
@@ -56,7 +56,7 @@ def can_run() -> list[tuple[str, str]]:
     for key, cfg in requests:
         reason = hardware.refusal(cfg)
         rows.append((key, f"no: {reason.removeprefix(key + ': ')}" if reason else "yes"))
-    gpus = hardware.visible_gpus()
+    gpus = machine.visible_gpus()
     rows.append(("cluster.num_processes", f"auto = {max(1, gpus)} here ({'one per GPU' if gpus else 'no GPU'}); "
                                           "more than 1 on a CPU: DDP over gloo, cores split between processes"))
     return rows

@@ -11,8 +11,8 @@ import time
 import torch
 from accelerate import Accelerator
 
-from xtrain import tasks
 from xtrain.config import RunConfig
+from xtrain.tasks.base import Task
 
 log = logging.getLogger("xtrain")
 
@@ -23,7 +23,7 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, task: tasks.Task, model, loader) -> dict[str, float]:
+def evaluate(accelerator: Accelerator, task: Task, model, loader) -> dict[str, float]:
     """The task's eval loss per trained token (per example), and its metrics, over the whole validation split:
     every rank's part, gathered without the samples a distributed sampler pads in."""
     model.eval()

@@ -7,19 +7,16 @@ silently fp32. xtrain refuses each of these before anything starts.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from xtrain.cluster_config import ClusterKind
 from xtrain.config import BaseQuantization, Fp8Backend, Precision, RunConfig, Strategy
 from xtrain.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
+from xtrain import machine
 from xtrain.errors import ConfigError
 
 FP8_PACKAGES = {
@@ -29,80 +26,15 @@ FP8_PACKAGES = {
 }
 
 
-NODE_SIDE = "XTRAIN_SLURM_NODE"  # set by xtrain on a SLURM job's nodes (slurm/node.py), for their processes
-
-
-def usable_cores() -> int:
-    """The cores this process may use: the ones it is bound to (its affinity), and no more than SLURM gave
-    this node's task where it says (an allocation that binds nothing)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    allocated = os.environ.get("SLURM_CPUS_ON_NODE")
-    return min(cores, int(allocated)) if allocated and allocated.isdigit() else cores
-
-
-def bound_cores() -> str:
-    """The cores this process may run on, as a list like `0-3,8`."""
-    if not hasattr(os, "sched_getaffinity"):
-        return f"0-{(os.cpu_count() or 1) - 1}"
-    cores, spans = sorted(os.sched_getaffinity(0)), []
-    for core in cores:
-        if spans and core == spans[-1][1] + 1:
-            spans[-1][1] = core
-        else:
-            spans.append([core, core])
-    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def visible_gpus() -> int:
-    """CUDA devices this process sees (no CUDA context is created: the count comes from the driver)."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def visible_gpu_ids(count: int | None = None) -> list[str]:
-    """The ids of the GPUs this process sees, as CUDA_VISIBLE_DEVICES names them for its children: the
-    parent's own list where it has one (`4,5,6,7`, GPU UUIDs, MIG instances), else `0..count-1`."""
-    count = visible_gpus() if count is None else count
-    preset = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    return preset[:count] if "CUDA_VISIBLE_DEVICES" in os.environ else [str(i) for i in range(count)]
-
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    capability: tuple[int, int]
-    memory_bytes: int
-
-
-_GPU_FACTS = """
-import json, torch
-print(json.dumps([{"name": torch.cuda.get_device_name(i), "capability": list(torch.cuda.get_device_capability(i)),
-                   "memory_bytes": torch.cuda.get_device_properties(i).total_memory}
-                  for i in range(torch.cuda.device_count())]))
-"""
-
-
-@functools.cache
-def gpus() -> tuple[Gpu, ...]:
-    """The visible GPUs' facts, read in a short subprocess: the driver and a SLURM node's process stay alive
-    as the workers' parents for the whole run, and a CUDA context of theirs would take memory from rank 0's GPU."""
-    if not visible_gpus():
-        return ()
-    out = subprocess.run([sys.executable, "-c", _GPU_FACTS], capture_output=True, text=True, check=True,
-                         timeout=300).stdout
-    return tuple(Gpu(g["name"], tuple(g["capability"]), g["memory_bytes"]) for g in json.loads(out))
-
-
 def submitting_to_slurm(cfg: RunConfig) -> bool:
     """This process submits the run to SLURM: its nodes, not this machine, are what must run it. (A process
     inside someone's allocation, an salloc shell or a batch job, submits too: only xtrain marks its nodes.)"""
-    return cfg.cluster.kind is ClusterKind.slurm and os.environ.get(NODE_SIDE) != "1"
+    return cfg.cluster.kind is ClusterKind.slurm and os.environ.get(machine.NODE_SIDE) != "1"
 
 
 def node_gpus(cfg: RunConfig) -> int:
     """GPUs of a node that runs the workers: the ones SLURM is asked for, or the ones visible here."""
-    return cfg.cluster.gpus if submitting_to_slurm(cfg) else visible_gpus()
+    return cfg.cluster.gpus if submitting_to_slurm(cfg) else machine.visible_gpus()
 
 
 def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
@@ -114,30 +46,6 @@ def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
     return replace(cfg, cluster=cluster)
 
 
-def local_gpu_gb() -> float | None:
-    found = gpus()
-    return found[0].memory_bytes / 1e9 if found else None
-
-
-def name_deepspeed_accelerator() -> None:
-    """Without CUDA, name DeepSpeed's accelerator: else it warns each time something probes it."""
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def async_io_available() -> bool:
-    """DeepSpeed's async_io op (NVMe offload): installed prebuilt, or buildable here (libaio headers)."""
-    name_deepspeed_accelerator()
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops
-
-    return bool(installed_ops.get("async_io")) or get_accelerator().create_op_builder("AsyncIOBuilder").is_compatible(
-        verbose=False
-    )
-
-
 def refusal(cfg: RunConfig) -> str | None:
     """Why this machine cannot run the request, or None."""
     if submitting_to_slurm(cfg):  # the nodes' GPUs are checked on the nodes, before their workers start
@@ -145,12 +53,12 @@ def refusal(cfg: RunConfig) -> str | None:
         if cuda:
             return None
     else:
-        cuda = bool(gpus())
-        if cfg.cluster.kind is ClusterKind.slurm and cfg.cluster.gpus > len(gpus()):
+        cuda = bool(machine.gpus())
+        if cfg.cluster.kind is ClusterKind.slurm and cfg.cluster.gpus > len(machine.gpus()):
             return (
                 f"cluster.gpus_per_node={cfg.cluster.gpus}: the job was given GPUs on {socket.gethostname()} "
                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}), and CUDA sees "
-                f"{len(gpus())} of them there; check the node's driver and the job's GPU binding, "
+                f"{len(machine.gpus())} of them there; check the node's driver and the job's GPU binding, "
                 "or ask for none (cluster.gpus_per_node=0: train on the nodes' CPUs)"
             )
     strategy, precision = cfg.strategy.name, cfg.precision.name
@@ -172,7 +80,7 @@ def refusal(cfg: RunConfig) -> str | None:
             "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
             "use precision=bf16 (autocast, fast on CPUs with bf16 units) or precision=fp32"
         )
-    oldest = min(gpus(), key=lambda g: g.capability) if cuda and gpus() else None
+    oldest = min(machine.gpus(), key=lambda g: g.capability) if cuda and machine.gpus() else None
     if precision is Precision.bf16 and oldest and oldest.capability < (8, 0):
         return (
             f"precision=bf16: {oldest.name} (compute capability {oldest.capability[0]}.{oldest.capability[1]}) has "

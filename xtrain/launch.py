@@ -18,11 +18,13 @@ from pathlib import Path
 
 import yaml
 
-from xtrain import checkpoint, config, hardware, plan, plugins, resume, run_dir, tasks
+from xtrain import checkpoint, config, hardware, machine, plugins, resume, run_dir
 from xtrain.cluster_config import ClusterKind
 from xtrain.config import Offload, RunConfig
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
+from xtrain.tasks.facts import model_facts
+from xtrain.tasks.registry import task_for
 
 log = logging.getLogger("xtrain")
 
@@ -53,13 +55,13 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
                      if getattr(cfg.strategy, name) is Offload.nvme]
     if nvme_offloads and not os.path.isdir(nvme):
         raise ConfigError(f"strategy.nvme_path={nvme}: no such directory")
-    if nvme_offloads and not hardware.async_io_available():
+    if nvme_offloads and not machine.async_io_available():
         raise ConfigError(
             f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
             "install them (apt-get install libaio-dev) or offload to cpu instead"
         )
-    tasks.for_config(cfg).check()
-    _, facts = plan.model_facts(cfg)  # checks strategy.wrap_layer against the model
+    task_for(cfg).check()
+    _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
@@ -182,8 +184,25 @@ def taken_back_if_refused(path: Path):
         raise
 
 
+def check_free(cfg: RunConfig) -> None:
+    """Refuse to start over a run that is there already (unless resuming)."""
+    if cfg.resume == "none" and run_dir.holds_run(Path(cfg.run_dir)):
+        raise ConfigError(
+            f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"
+        )
+
+
+def create_run_dir(cfg: RunConfig) -> Path:
+    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
+    check_free(cfg)
+    path = Path(cfg.run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    write_atomic(path / run_dir.RUN_CONFIG, config.to_yaml(cfg))
+    return path
+
+
 def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
     """The run dir with run.yaml and the equivalent accelerate files (after `preflight`)."""
-    path = run_dir.prepare(cfg)
+    path = create_run_dir(cfg)
     export_accelerate_files(cfg, facts, path)
     return path

@@ -26,15 +26,19 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from xtrain import (checkpoint, compiling, config, evaluation, hardware, memory, meta_init, multiprocess, plan,
-                    plugins, reporting, resume, run_dir as rundir, sampler, stopping, tasks, tracking, trial)
+from xtrain import (checkpoint, compiling, config, evaluation, machine, memory, meta_init,
+                    plugins, reporting, resume, run_dir as rundir, sampler, stopping, tracking, trial)
 from xtrain.monitor import EARLY_STOP, Monitor
 from xtrain.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.config import Export, Precision, RunConfig, Strategy
 from xtrain.errors import ConfigError, Diverged
+from xtrain.estimate import model_state_memory
 from xtrain.files import replace_dir
 from xtrain.optim import build_optimizer, lr_factor, set_hyperparameters
 from xtrain.run_dir import Status
+from xtrain.tasks.base import Task
+from xtrain.tasks.facts import model_facts
+from xtrain.tasks.registry import task_for
 
 log = logging.getLogger("xtrain")
 
@@ -54,7 +58,7 @@ class Components:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     train_loader: DataLoader
     val_loader: DataLoader
-    task: tasks.Task
+    task: Task
     n_params: int
     n_trainable: int | None  # where not every parameter trains (LoRA)
     n_train: int
@@ -78,7 +82,7 @@ class Progress:
     early_stop: bool = False  # trainer.early_stop_patience evals without improvement
 
 
-def build_components(cfg: RunConfig, accelerator: Accelerator, task: tasks.Task) -> Components:
+def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
     t = cfg.trainer
     built = task.build(accelerator)
     model, train_set, val_set = built.model, built.train_set, built.val_set
@@ -164,11 +168,11 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
-        "model_state_bytes_estimate": plan.model_state_memory(n_params_meta, cfg, c.n_trainable).total,
+        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable).total,
         "trainable_parameters": c.n_trainable or c.n_params,
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
-    own = (socket.gethostname(), torch.get_num_threads(), hardware.bound_cores())
+    own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores())
     every = [own] * world
     if world > 1:
         torch.distributed.all_gather_object(every, own)
@@ -192,11 +196,11 @@ def _train(run_dir: Path) -> dict:
     cfg = config.load(str(run_dir / rundir.RUN_CONFIG))
     t = cfg.trainer
     # from the driver's start when it launched this worker, else from this process's start
-    process_start = multiprocess.launch_time()
-    hardware.name_deepspeed_accelerator()
+    process_start = machine.launch_time()
+    machine.name_deepspeed_accelerator()
     memory.reset_peaks()
 
-    n_params_meta, facts = plan.model_facts(cfg)
+    n_params_meta, facts = model_facts(cfg)
     accelerator = build_accelerator(cfg, run_dir, facts)
     check_setup(cfg, accelerator.distributed_type, accelerator.num_processes)
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
@@ -205,7 +209,7 @@ def _train(run_dir: Path) -> dict:
     resume_from = checkpoint.resolve(resume_setting(cfg, run_dir), run_dir, checkpoint.identity(cfg))
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
-    c = build_components(cfg, accelerator, tasks.for_config(cfg))
+    c = build_components(cfg, accelerator, task_for(cfg))
     c.pruning = trial.Pruning(run_dir, accelerator.is_main_process)
     model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
 
@@ -219,7 +223,7 @@ def _train(run_dir: Path) -> dict:
     if t.export is Export.best and progress.monitor.best_step is not None:  # model/ holds that eval's model
         result["model_step"] = progress.monitor.best_step
     if accelerator.is_main_process:
-        if resume_from is not None and resume_from.parent == checkpoint.directory(run_dir):
+        if resume_from is not None and resume_from.parent == rundir.checkpoints_dir(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged, changed))
         elif changed:  # resumed from another run's checkpoint
             result["changed_from_checkpoint"] = changed

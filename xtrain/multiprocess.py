@@ -23,7 +23,7 @@ from typing import Callable
 
 import psutil
 
-from xtrain import hardware, run_dir as rundir, stopping
+from xtrain import machine, run_dir as rundir, stopping
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, LaunchFailed
 from xtrain.run_dir import ERRORS_DIR
@@ -47,7 +47,7 @@ def free_port() -> int:
 def threads_per_process(processes: int) -> int:
     """Split this node's cores (in a SLURM job: the ones it was given) between its workers (torchrun's
     default is 1 thread each)."""
-    return max(1, hardware.usable_cores() // processes)
+    return max(1, machine.usable_cores() // processes)
 
 
 @dataclass(frozen=True)
@@ -108,21 +108,6 @@ def stop_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(alive, timeout=5)
 
 
-def launch_time() -> float:
-    """When this run was launched, by the wall clock: XTRAIN_LAUNCH_TIME where a sweep or a launcher set it,
-    else this process's start. psutil's create_time counts from /proc/stat's btime, whole seconds, and reads
-    up to 1 s early; /proc/uptime has hundredths."""
-    if os.environ.get("XTRAIN_LAUNCH_TIME"):
-        return float(os.environ["XTRAIN_LAUNCH_TIME"])
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-            up = float(uptime.read().split()[0])
-        return time.time() - up + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return psutil.Process().create_time()
-
-
 def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
               step_boundary: bool = False, ended: Callable[[], bool] | None = None) -> int:
     """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
@@ -139,7 +124,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         **os.environ,
         "OMP_NUM_THREADS": str(threads_per_process(topology.processes_per_node)),
         # when the run started: this process's start, or the sweep point's (set by the sweep)
-        "XTRAIN_LAUNCH_TIME": str(launch_time()),
+        "XTRAIN_LAUNCH_TIME": str(machine.launch_time()),
         "PYTHONUNBUFFERED": "1",
         **env,
     }

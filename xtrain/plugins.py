@@ -9,6 +9,7 @@ config file.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import os
@@ -314,3 +315,37 @@ def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | N
     if cfg.precision.name is Precision.fp8:
         out["fp8_config"] = {"backend": cfg.precision.fp8_backend.value.upper()}
     return out
+
+
+def repeated_block(model) -> str | None:
+    """The most frequent class among the children of the model's largest nn.ModuleList (by parameters)."""
+    import torch
+
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)]
+    if not lists:
+        return None
+    largest = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    counts = collections.Counter(type(child).__name__ for child in largest)
+    return sorted(counts, key=lambda name: (-counts[name], name))[0]
+
+
+def fsdp_wrap_layer(requested: str | None, meta_model) -> str:
+    """The block class FSDP wraps: `strategy.wrap_layer`; else the most frequent class the model declares in
+    `_no_split_modules`; else the class of the blocks in its largest nn.ModuleList."""
+    counts = collections.Counter(type(m).__name__ for m in meta_model.modules())
+    present = sorted(counts)
+    # the most frequent declared class (transformers 5 declares a set: its order depends on the hash seed)
+    declared = sorted((name for name in (getattr(meta_model, "_no_split_modules", None) or []) if name in counts),
+                      key=lambda name: (-counts[name], name))
+    layer = requested or (declared[0] if declared else None) or repeated_block(meta_model)
+    if layer is None:
+        raise ConfigError(
+            f"strategy.wrap_layer is empty: {type(meta_model).__name__} declares no layer class to wrap "
+            "(_no_split_modules) and holds no nn.ModuleList of blocks; set it to the class of its repeated block"
+        )
+    if layer not in present:
+        blocks = [n for n in present if n.endswith(("Block", "Layer"))] or present
+        raise ConfigError(
+            f"strategy.wrap_layer={layer}: no such layer in {type(meta_model).__name__}; choose one of {', '.join(blocks)}"
+        )
+    return layer

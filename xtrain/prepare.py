@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> None:
             cfg = config.from_container(compose("config", overrides=argv))
     except (ConfigError, HydraException, OmegaConfBaseException) as err:
         cli._report_refusal(err)
-    from xtrain import tasks
+    from xtrain.tasks.registry import task_for
     from xtrain.worker import configure_logging
 
     configure_logging()
     try:
-        prepared = tasks.for_config(cfg).prepare()
+        prepared = task_for(cfg).prepare()
     except ConfigError as err:
         cli.fail(str(err))
     if prepared is None:

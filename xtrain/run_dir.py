@@ -24,15 +24,12 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Callable, TypedDict
 
-from xtrain import checkpoint
-from xtrain.config import RunConfig, to_yaml
-from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
 
 RUN_CONFIG = "run.yaml"
@@ -45,6 +42,28 @@ SLURM_FILE = "slurm.json"
 SWEEP_FILE = "sweep.json"
 WORKERS = "workers"  # a study's SLURM workers' own dirs, in its sweep dir
 WORKER_TRIAL = "current.json"  # in a worker's dir: its SLURM array and the trial it runs
+
+
+CHECKPOINTS = "checkpoints"  # step_XXXXXXXX dirs (checkpoint.py writes them)
+CHECKPOINT_STATE = "xtrain_state.json"  # written last into a checkpoint: a dir without it is not one
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if CHECKPOINT_NAME.match(p.name) and (p / CHECKPOINT_STATE).is_file()]
+    return sorted(found, key=lambda p: p.name)
 
 
 class Status(str, Enum):
@@ -132,24 +151,7 @@ def record_end(run_dir: Path, status: str, error: str, started_only: bool = Fals
 
 def holds_run(run_dir: Path) -> bool:
     """Training started here (a run that failed before its first step can be run again)."""
-    return (run_dir / RESULT).exists() or bool(checkpoint.existing(run_dir))
-
-
-def check_free(cfg: RunConfig) -> None:
-    """Refuse to start over a run that is there already (unless resuming)."""
-    if cfg.resume == "none" and holds_run(Path(cfg.run_dir)):
-        raise ConfigError(
-            f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"
-        )
-
-
-def prepare(cfg: RunConfig) -> Path:
-    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
-    check_free(cfg)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(run_dir / RUN_CONFIG, to_yaml(cfg))
-    return run_dir
+    return (run_dir / RESULT).exists() or bool(complete_checkpoints(run_dir))
 
 
 def keep_metrics_until(run_dir: Path, step: int) -> int:
@@ -209,23 +211,6 @@ def first_rank_error(run_dir: Path) -> dict | None:
 # ---------------------------------------------------------------- a sweep dir
 
 
-@dataclass
-class Point:
-    """A sweep's point: its number, the swept settings that name it, its typed config (and so its run dir)."""
-
-    num: int
-    swept: list[str]  # this point's values of the settings that vary between points, as overrides
-    cfg: RunConfig
-
-    @property
-    def path(self) -> Path:
-        return Path(self.cfg.run_dir)
-
-    @property
-    def label(self) -> str:
-        return " ".join(self.swept) or "(no swept setting)"
-
-
 def is_sweep_dir(path: Path) -> bool:
     return (Path(path) / SWEEP_FILE).is_file()
 
@@ -235,7 +220,7 @@ def sweep_points(sweep_dir: Path) -> list[dict]:
     return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())["points"]
 
 
-def add_sweep_points(sweep_dir: Path, points: list[Point]) -> None:
+def add_sweep_points(sweep_dir: Path, points: list) -> None:
     """Record points in sweep.json; a sweeper may launch its points in several batches: they join earlier ones."""
     known = {e["num"]: e for e in (sweep_points(sweep_dir) if is_sweep_dir(sweep_dir) else [])}
     known.update({p.num: {"num": p.num, "dir": p.path.name, "overrides": p.swept} for p in points})

@@ -20,10 +20,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from xtrain import hardware, run_dir as rundir, tune
+from xtrain import machine, run_dir as rundir, tune
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
-from xtrain.run_dir import Point
+from xtrain.point import Point
 
 log = logging.getLogger("xtrain")
 
@@ -130,7 +130,7 @@ class Worker:
         from xtrain.slurm.node import run_node
         from xtrain.worker import configure_logging
 
-        os.environ[hardware.NODE_SIDE] = "1"
+        os.environ[machine.NODE_SIDE] = "1"
         configure_logging()
         here, index = Path(worker_dir), int(Path(worker_dir).name)
         study = tune.Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)

@@ -18,10 +18,12 @@ from typing import Callable
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from xtrain import backends, config, launch, resume, run_dir as rundir, summary
+from xtrain import config, launch, resume, run_dir as rundir, summary
+from xtrain.backends.registry import resolve_auto
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, SweepFailed, explain
-from xtrain.run_dir import Point, Status
+from xtrain.point import Point
+from xtrain.run_dir import Status
 
 log = logging.getLogger("xtrain")
 
@@ -85,7 +87,7 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
     try:
         container = compose(list(overrides))
         container["run_dir"] = str(sweep_dir / point_dir_name(num, swept))
-        cfg = backends.resolve(config.from_container(container), parallel)
+        cfg = resolve_auto(config.from_container(container), parallel)
     except ConfigError as err:
         raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
     except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
@@ -134,7 +136,7 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
                 check_same_config(point)
                 if completed(point.path, point.cfg):
                     continue
-            rundir.check_free(point.cfg)
+            launch.check_free(point.cfg)
         except ConfigError as err:
             raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
         todo.append((point, check_point(point, backend)))

@@ -25,7 +25,8 @@ from typing import Callable
 from xtrain import config, run_dir as rundir, search_space, study, summary, sweep
 from xtrain.errors import ConfigError, SweepFailed
 from xtrain.files import write_atomic
-from xtrain.run_dir import Point, Status
+from xtrain.point import Point
+from xtrain.run_dir import Status
 
 log = logging.getLogger("xtrain")
 

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from xtrain import config, hardware, launch, multiprocess, plan, run_dir as rundir, stopping
+from xtrain import config, hardware, launch, machine, multiprocess, plan, run_dir as rundir, stopping
 from xtrain.config import RunConfig, Strategy
 from xtrain.errors import ConfigError, Stopped, one_line
-from xtrain.run_dir import Point
+from xtrain.point import Point
 
 log = logging.getLogger("xtrain")
 
@@ -39,9 +39,9 @@ def check(cfg: RunConfig) -> None:
 def describe(cfg: RunConfig, script: bool = True) -> str:
     """A dry run: every check the real run makes (but what this machine's hardware cannot run, which the plan
     says), then the plan. Nothing is written or started."""
-    rundir.check_free(cfg)
+    launch.check_free(cfg)
     launch.preflight(cfg, planning=True)
-    return plan.render(plan.make(cfg, hardware.refusal(cfg), hardware.local_gpu_gb()))
+    return plan.render(plan.make(cfg, hardware.refusal(cfg), machine.local_gpu_gb()))
 
 
 def scripts(points: list[Point], sweep_dir: Path, **options) -> list[str]:
@@ -62,9 +62,9 @@ def run(cfg: RunConfig) -> dict:
 def prepare_data(cfg: RunConfig) -> None:
     """The run's data, prepared in this process before any worker starts (or found prepared): workers only
     read it, so no rank waits in a collective while a corpus is tokenized."""
-    from xtrain import tasks
+    from xtrain.tasks.registry import task_for
 
-    prepared = tasks.for_config(cfg).prepare()
+    prepared = task_for(cfg).prepare()
     if prepared is not None and not prepared.fresh:
         log.info("data: prepared on %s earlier: %s (%s)", prepared.meta["prepared_on"], prepared.describe(),
                  prepared.path)
@@ -113,7 +113,7 @@ def run_recorded(cfg: RunConfig, path: Path) -> dict:
 
 
 def check_points(points: list[Point], *, n_jobs: int = 1, setting: str = "hydra.launcher.n_jobs") -> None:
-    check_parallel(points, n_jobs, hardware.visible_gpus() if n_jobs > 1 else 0, setting)
+    check_parallel(points, n_jobs, machine.visible_gpus() if n_jobs > 1 else 0, setting)
 
 
 def check_parallel(points: list[Point], n_jobs: int, gpus: int, setting: str = "hydra.launcher.n_jobs") -> None:
@@ -186,7 +186,7 @@ def release_memory() -> None:
 
 def _slots(n_jobs: int) -> list[dict]:
     """Each parallel slot's own GPUs (CUDA_VISIBLE_DEVICES) or, without GPUs, its own share of the cores."""
-    ids = hardware.visible_gpu_ids()
+    ids = machine.visible_gpu_ids()
     if ids:
         return [{"gpus": share} for share in gpu_shares(ids, n_jobs)]
     cores = sorted(os.sched_getaffinity(0))

@@ -19,7 +19,8 @@ from typing import Callable
 from xtrain import hardware, launch, plan, run_dir as rundir
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError, LaunchFailed, Stopped, SweepFailed
-from xtrain.run_dir import LOGS, Point
+from xtrain.point import Point
+from xtrain.run_dir import LOGS
 from xtrain.slurm.monitor import cancel, follow, settle
 from xtrain.slurm.submit import (ASSUMED, assumed, check, job_parameters, request_line, resolve_request, sbatch_script,
                                  slurm_here, submit)
@@ -44,7 +45,7 @@ def describe(cfg: RunConfig, script: bool = True) -> str:
     else:
         lines.append(f"slurm: not on this machine (no sbatch on PATH); assumed {ASSUMED}: set cluster.partition, "
                      "cluster.gpus_per_node and cluster.cpus_per_task to plan the request you will make")
-    rundir.check_free(cfg)
+    launch.check_free(cfg)
     launch.preflight(cfg, planning=True)
     lines += [plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)), request_line(cfg)]
     if script:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xtrain import hardware
+from xtrain import machine
 from xtrain.config import DataConfig, ModelConfig, ModelSource
 from xtrain.data.sources import Counts, cache_dir, open_source, sha
 from xtrain.data.tokenize import token_arrays
@@ -174,7 +174,7 @@ def prepare(data: DataConfig, model: ModelConfig) -> Prepared:
 def write_entry(path: Path, source, tokenizer_json: str, eos: int, vocab: int, data: DataConfig) -> None:
     """tokens.bin, val.npy and meta.json of a new entry, in `path`."""
     block = data.block_size
-    num_proc = data.num_proc or hardware.usable_cores()
+    num_proc = data.num_proc or machine.usable_cores()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     log.info("data: preparing %s on %s with %d process(es) into %s", source.name, node_name(), num_proc, path.parent)
     counts, progress = Counts(), Progress(source)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from xtrain import hardware
+from xtrain import machine
 from xtrain.config import DataConfig, ModelConfig, TrainOn
 from xtrain.data import chat
 from xtrain.data.cache import VAL_SPLIT_SEED, Progress, build_once, node_name, pretrained_tokenizer
@@ -139,7 +139,7 @@ def prepare(data: DataConfig, model: ModelConfig) -> PreparedExamples:
 def write_entry(path: Path, source: ExampleSource, name_or_path: str, template: str, vocab: int,
                 data: DataConfig) -> None:
     block = data.block_size
-    num_proc = data.num_proc or hardware.usable_cores()
+    num_proc = data.num_proc or machine.usable_cores()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     log.info("data: preparing %s on %s with %d process(es) into %s", source.name, node_name(), num_proc, path.parent)
     counts, progress = Counts(), Progress(source)

@@ -44,12 +44,12 @@ def run_node(run_dir: str) -> dict:
     A stop signal (SLURM's warning before the time limit, `scancel --signal=USR2`) ends training at a step
     boundary with a checkpoint on every node; node 0 then requeues the job, which resumes in the same run
     dir (loop.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
-    from xtrain import config, hardware, stopping
+    from xtrain import config, hardware, machine, stopping
     from xtrain.backends import local
     from xtrain.multiprocess import threads_per_process
     from xtrain.worker import configure_logging
 
-    os.environ[hardware.NODE_SIDE] = "1"  # this process and its workers run the job; they submit nothing
+    os.environ[machine.NODE_SIDE] = "1"  # this process and its workers run the job; they submit nothing
     keep_private()
     configure_logging()
     logging.getLogger("submitit").propagate = False  # it has a handler of its own

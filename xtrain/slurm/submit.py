@@ -23,7 +23,7 @@ from xtrain.cluster_config import ClusterConfig, time_limit_minutes
 from xtrain.config import RunConfig
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
-from xtrain.hardware import NODE_SIDE
+from xtrain.machine import NODE_SIDE
 from xtrain.run_dir import SLURM_FILE
 from xtrain.slurm.monitor import Job, Unreachable, cancel, describe, live_states, query, recorded_job
 from xtrain.slurm.node import run_node

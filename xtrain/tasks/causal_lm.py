@@ -9,7 +9,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xtrain import data, lora, model as models, plugins
+from xtrain import lora, model as models, plugins
+from xtrain.data import lm, sources
+from xtrain.tasks import pretrained
 from xtrain.config import DataSource, ModelSource, RunConfig
 from xtrain.tasks.base import TaskData
 
@@ -29,16 +31,16 @@ class CausalLM:
 
     def check(self) -> None:
         """On the driver, before anything launches: the data's files (cheap checks) and a pretrained model's config."""
-        data.check(self.cfg.data)
+        sources.check(self.cfg.data)
         if self.cfg.model.source is ModelSource.pretrained:
-            models.pretrained_config(self.cfg.model)
+            pretrained.pretrained_config(self.cfg.model)
 
     def identity(self) -> dict:
-        return {"model": models.identity(self.cfg.model)}
+        return {"model": pretrained.identity(self.cfg.model)}
 
     def prepare(self):
         """The corpus prepared into the cache (or found there): what `build` then reads."""
-        return data.prepare(self.cfg.data, self.cfg.model)
+        return lm.prepare(self.cfg.data, self.cfg.model)
 
     def on_meta(self):
         return models.on_meta(self.cfg.model, self.cfg.data.block_size)
@@ -48,7 +50,7 @@ class CausalLM:
         # The driver prepared the data before this worker started (backends/local.py): this reads the cache. A
         # rank that finds it missing prepares it under the cache's lock, while the others wait on the lock, not
         # in a collective.
-        prepared = data.prepare(cfg.data, cfg.model)
+        prepared = lm.prepare(cfg.data, cfg.model)
         self.tokenizer = prepared.tokenizer
         train_set, val_set = prepared.splits()
         # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xtrain import lora, model as models, plugins
+from xtrain import lora
+from xtrain.tasks import pretrained
 from xtrain.config import RunConfig
 from xtrain.data import labelled
 from xtrain.data.sft import PadToLongest
@@ -47,13 +48,13 @@ class SeqCls(Custom):
 
     def check(self) -> None:
         """On the driver, before anything launches: the records' files and the model's config."""
-        from xtrain import data
+        from xtrain.data import sources
 
-        data.check(self.cfg.data)
-        models.pretrained_config(self.cfg.model)
+        sources.check(self.cfg.data)
+        pretrained.pretrained_config(self.cfg.model)
 
     def identity(self) -> dict:
-        return {"model": {**models.identity(self.cfg.model), "num_labels": self.num_labels,
+        return {"model": {**pretrained.identity(self.cfg.model), "num_labels": self.num_labels,
                           "problem": self.task.problem.value}}
 
     def prepare(self) -> labelled.PreparedRecords:
@@ -88,7 +89,7 @@ class SeqCls(Custom):
                 os.path.expanduser(self.cfg.model.name_or_path), dtype=torch.float32, output_loading_info=True,
                 **self.model_kwargs())
         except (OSError, ValueError) as err:
-            raise models.cannot_load(self.cfg.model, err) from None
+            raise pretrained.cannot_load(self.cfg.model, err) from None
         finally:
             report.removeFilter(quiet)
         if info.get("missing_keys"):

@@ -1,0 +1,25 @@
+"""The backend of a run config: `cluster.kind` → its module; `auto` settings made concrete."""
+
+from __future__ import annotations
+
+from xtrain import hardware
+from xtrain.cluster_config import ClusterKind
+from xtrain.config import RunConfig
+
+
+def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
+    """Every `auto` of a composed config made concrete, as run.yaml records it: the backend's, then
+    `num_processes` (one per GPU of a node; of a `parallel`th of this machine's GPUs for a sweep's points
+    run that many at a time)."""
+    return hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg), parallel)
+
+
+def backend_for(kind: ClusterKind):
+    """The backend module for `cluster.kind`."""
+    if kind is ClusterKind.slurm:
+        from xtrain.backends import slurm
+
+        return slurm
+    from xtrain.backends import local
+
+    return local

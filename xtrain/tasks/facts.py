@@ -1,0 +1,35 @@
+"""What the strategy code needs of a task's model, read on the meta device: its parameter count, FSDP's block,
+ZeRO's bucket size and the LoRA-trainable count."""
+
+from __future__ import annotations
+
+from xtrain import plugins
+from xtrain.config import RunConfig, Strategy
+
+_FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
+
+
+def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
+    """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
+    Kept per model for the process: a sweep's points mostly share theirs."""
+    key = repr((cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer))
+    if key not in _FACTS:
+        _FACTS[key] = _model_facts(cfg)
+    return _FACTS[key]
+
+
+def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
+    from xtrain.tasks.registry import task_for
+
+    meta = task_for(cfg).on_meta()
+    n_params = sum(p.numel() for p in meta.parameters())
+    wrap = plugins.fsdp_wrap_layer(cfg.strategy.wrap_layer, meta) if cfg.strategy.name is Strategy.fsdp else ""
+    trainable = None
+    if cfg.model.lora.enabled:
+        from xtrain import lora
+
+        trainable = lora.check(meta, cfg.model.lora)
+    hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
+    if hidden is None:  # a module without a transformers config: ZeRO's buckets sized by its largest weight
+        hidden = max((int(p.numel() ** 0.5) for p in meta.parameters()), default=1)
+    return n_params, plugins.ModelFacts(hidden_size=hidden, wrap_layer=wrap, trainable=trainable)
