@@ -43,8 +43,8 @@ def register_schemas() -> None:
     root = OmegaConf.structured(RunConfig)
     root.model, root.data = "???", "???"  # typed by the group option: a schema's, or a user's own by _target_
     store.store(name="run_config", node=root)
-    for group, schema in GROUP_SCHEMAS.items():
-        store.store(group=f"schema/{group}", name="base", node=schema)  # extended by xtrain/conf/<group>/*.yaml
+    for group, node in GROUP_SCHEMAS.items():
+        store.store(group=f"schema/{group}", name="base", node=node)  # extended by xtrain/conf/<group>/*.yaml
 
 
 def fail(message: str) -> None:
@@ -59,8 +59,8 @@ def hydra_main(cfg: DictConfig):
         cfg.run_dir = output_dir
         from xtrain.backends.registry import backend_for, resolve_auto
 
-        run_config = resolve_auto(config.from_container(cfg))
-        return backend_for(run_config.cluster.kind).run(run_config).get("val_loss")
+        resolved = resolve_auto(config.from_container(cfg))
+        return backend_for(resolved.cluster.kind).run(resolved).get("val_loss")
     except ConfigError as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
         fail(str(err))

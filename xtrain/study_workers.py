@@ -20,10 +20,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from xtrain import machine, run_dir as rundir, tune
+from xtrain import machine, run_dir as rundir
 from xtrain.errors import ConfigError
 from xtrain.files import write_atomic
 from xtrain.point import Point
+from xtrain.tune import TOLD, Study
 
 log = logging.getLogger("xtrain")
 
@@ -32,7 +33,7 @@ LOCK_GRACE_S = 300  # a lock held longer was left by a worker that died while as
 RESOLVED = ("gpus_per_node", "cpus_per_task", "num_processes")  # what the submitting machine resolved
 
 
-def check(run: tune.Study) -> None:
+def check(run: Study) -> None:
     """What a study on SLURM needs, before anything is queued: one allocation fits every trial (the space
     varies no request), of one node; a resumed study's workers are not still running."""
     from xtrain.slurm.submit import check_not_running, job_parameters
@@ -49,7 +50,7 @@ def check(run: tune.Study) -> None:
         check_not_running(path, run.sweep_dir)
 
 
-def run(study: tune.Study) -> None:
+def run(study: Study) -> None:
     """The study's workers, submitted and followed to their end (unless cluster.wait=false)."""
     from xtrain.backends import slurm
 
@@ -71,7 +72,7 @@ class Progress:
 
     EVERY_S = 5.0
 
-    def __init__(self, study: tune.Study) -> None:
+    def __init__(self, study: Study) -> None:
         self.study, self.next = study, 0.0
         self.shown = {t.number for t in self.told()}
 
@@ -122,7 +123,7 @@ class NodeChecks:
 class Worker:
     """One task of the workers' job array, on its node (pickled by submitit): trials until none is left."""
 
-    def __init__(self, study: tune.Study) -> None:
+    def __init__(self, study: Study) -> None:
         self.settings, self.space, self.sweep_dir, self.compose = study.s, study.space, study.sweep_dir, study.compose
 
     def __call__(self, worker_dir: str) -> dict:
@@ -133,7 +134,7 @@ class Worker:
         os.environ[machine.NODE_SIDE] = "1"
         configure_logging()
         here, index = Path(worker_dir), int(Path(worker_dir).name)
-        study = tune.Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)
+        study = Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)
         study.on_slurm = True
         study.claiming = lambda: claiming(self.sweep_dir)
         study.open(worker=index + 1)
@@ -158,7 +159,7 @@ class Worker:
         return {"status": "completed", "trials": ran}
 
     @staticmethod
-    def own_trial(study: tune.Study, here: Path) -> Point | None:
+    def own_trial(study: Study, here: Path) -> Point | None:
         """After a requeue of this worker's job: the trial it was running, continued from its checkpoint (or
         told, where it had ended)."""
         try:
@@ -171,7 +172,7 @@ class Worker:
         if trial.state.name != "RUNNING":
             return None
         point = study.point_of(trial.number)
-        if rundir.read_result(point.path).get("status") in tune.TOLD:
+        if rundir.read_result(point.path).get("status") in TOLD:
             study.on_end(point)
             return None
         log.info("trial %d continues from its checkpoint after a requeue: %s", point.num, point.label)

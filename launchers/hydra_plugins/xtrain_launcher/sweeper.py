@@ -34,7 +34,8 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> None:
         from hydra.core.utils import configure_log
 
-        from xtrain import config, search_space, study, tune
+        from xtrain import search_space, study, tune
+        from xtrain.config import setting_names
         from xtrain.cli import GROUP_SCHEMAS
         from xtrain.errors import ConfigError
 
@@ -47,7 +48,7 @@ class OptunaSweeper(Sweeper):
         s = dict(self.settings)
         params = s.pop("params")
         params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params or {})
-        known = {*config.setting_names(), *GROUP_SCHEMAS, "experiment"}
+        known = {*setting_names(), *GROUP_SCHEMAS, "experiment"}
         space = search_space.parse([f"{k}={v}" for k, v in flat(params).items()] + list(arguments), known)
         if not space.distributions:
             raise ConfigError("hydra.sweeper.params: no search space; give at least one setting to sample, e.g. "
