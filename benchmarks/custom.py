@@ -30,7 +30,8 @@ sys.path.insert(0, str(PROJECT))
 def xtrain_steps_per_s(steps: int, batch: int, run_dir: Path) -> float:
     from hydra import compose, initialize_config_module
 
-    from xtrain import cli, config
+    from xtrain.commands import cli
+    from xtrain.config import schema
     from xtrain.backends.registry import resolve_auto
     from xtrain.backends.local import run_here
 
@@ -41,10 +42,10 @@ def xtrain_steps_per_s(steps: int, batch: int, run_dir: Path) -> float:
             "+data.train.split=train", "data.val._target_=mydata.digits", "+data.val.split=val",
             f"task.code_dir={PROJECT}", f"trainer.batch_size={batch}", f"trainer.max_steps={steps}",
             f"trainer.log_every={steps // 2}", f"trainer.eval_every={steps}", f"trainer.save_every={steps}"])
-    cfg = resolve_auto(config.from_container(cfg))
-    from xtrain import launch
+    cfg = resolve_auto(schema.from_container(cfg))
+    from xtrain.launch import preflight
 
-    run_here(cfg, launch.write_run_dir(cfg, launch.preflight(cfg)))
+    run_here(cfg, preflight.write_run_dir(cfg, preflight.preflight(cfg)))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     second_half = [r for r in rows if "train/examples_per_s" in r][-1]
     return second_half["train/examples_per_s"] / batch

@@ -26,14 +26,18 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from xtrain import cli, config, launch, model as models, run_dir as rundir
 from xtrain.backends.registry import resolve_auto
+from xtrain.commands import cli
+from xtrain.config import schema
+from xtrain.core import rundir
 from xtrain.data import lm
-from xtrain.loop import train
-from xtrain.optim import build_optimizer, lr_factor
+from xtrain.engine.loop import train
+from xtrain.engine.optim import build_optimizer, lr_factor
+from xtrain.launch import preflight
+from xtrain.tasks.causal_lm import model as models
 
 
-def compose_config(overrides: list[str], run_path: Path, steps: int) -> config.RunConfig:
+def compose_config(overrides: list[str], run_path: Path, steps: int) -> schema.RunConfig:
     cli.register_schemas()
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(
@@ -43,7 +47,7 @@ def compose_config(overrides: list[str], run_path: Path, steps: int) -> config.R
                 f"trainer.eval_every={steps}", f"trainer.save_every={steps}", *overrides,
             ],
         )
-    return resolve_auto(config.from_container(cfg))
+    return resolve_auto(schema.from_container(cfg))
 
 
 def matmul_peak_gflops(n: int = 2048, dtype=torch.float32, reps: int = 10) -> float:
@@ -64,7 +68,7 @@ def matmul_peak_gflops(n: int = 2048, dtype=torch.float32, reps: int = 10) -> fl
     return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def raw_loop_tokens_per_s(cfg: config.RunConfig, steps: int) -> float:
+def raw_loop_tokens_per_s(cfg: schema.RunConfig, steps: int) -> float:
     """What a user would write by hand with Accelerate, on xtrain's cached data."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -100,9 +104,9 @@ def raw_loop_tokens_per_s(cfg: config.RunConfig, steps: int) -> float:
     return (steps - steps // 2) * cfg.trainer.batch_size * cfg.data.block_size / elapsed
 
 
-def xtrain_tokens_per_s(cfg: config.RunConfig) -> tuple[float, int]:
+def xtrain_tokens_per_s(cfg: schema.RunConfig) -> tuple[float, int]:
     """xtrain's own log window over the second half of the steps (the log at steps/2 starts it)."""
-    path = launch.create_run_dir(cfg)
+    path = preflight.create_run_dir(cfg)
     result = train(path)
     rows = [json.loads(line) for line in (path / rundir.METRICS).read_text().splitlines()]
     last = [r for r in rows if "train/tokens_per_s" in r][-1]

@@ -1,6 +1,6 @@
 """MkDocs hook: the reference pages' generated parts, from the same sources as `python -m xtrain --help`."""
 
-from xtrain import help
+from xtrain.commands import help
 
 
 def on_page_markdown(markdown: str, **kwargs) -> str:

@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from xtrain import config
 from xtrain.backends.registry import resolve_auto
-from xtrain.config import RunConfig
+from xtrain.config import schema
+from xtrain.config.schema import RunConfig
 
 # The suite's two xdist streams share the machine's cores, so its training processes are often more threads than
 # cores. libgomp's threads then spin at every barrier while the thread they wait for is off the CPU: two 2-thread
@@ -110,7 +110,7 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.singleton import Singleton
 
-    from xtrain import cli
+    from xtrain.commands import cli
 
     argv, saved_env, hydra_state, was_in = sys.argv, dict(os.environ), Singleton.get_state(), os.getcwd()
     sys.argv = ["xtrain", *overrides]
@@ -153,8 +153,8 @@ def _forget_the_run() -> None:
 
 def _forget_slurm_partitions() -> None:
     """SLURM's partitions are read once per process: a run must ask the cluster as it is now."""
-    if "xtrain.slurm.submit" in sys.modules:
-        sys.modules["xtrain.slurm.submit"].partitions.cache_clear()
+    if "xtrain.backends.slurm.submit" in sys.modules:
+        sys.modules["xtrain.backends.slurm.submit"].partitions.cache_clear()
 
 
 def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False, cwd: Path = REPO) -> subprocess.Popen:
@@ -239,12 +239,12 @@ def compose_run(*overrides: str) -> RunConfig:
     """The typed config as the launcher sees it (num_processes=auto resolved for this machine)."""
     from hydra import compose, initialize_config_module
 
-    from xtrain import cli
+    from xtrain.commands import cli
 
     cli.register_schemas()
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
-    return resolve_auto(config.from_container(cfg))
+    return resolve_auto(schema.from_container(cfg))
 
 
 def assert_one_line_error(proc, *expected: str) -> str:
@@ -260,12 +260,12 @@ def assert_one_line_error(proc, *expected: str) -> str:
 FAIL_ON_RANK_1 = '''
 import os
 if os.environ.get("RANK") == "1":
-    import xtrain.evaluation
+    import xtrain.engine.evaluation
 
     def evaluate(*args, **kwargs):
         raise RuntimeError("injected failure on rank 1")
 
-    xtrain.evaluation.evaluate = evaluate
+    xtrain.engine.evaluation.evaluate = evaluate
 '''
 
 

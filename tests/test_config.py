@@ -11,8 +11,9 @@ import pytest
 
 from conftest import compose_run
 
-from xtrain import cli, config
-from xtrain.config import ConfigError, ModelArch, Precision, RunConfig, TargetData, TrackerKind
+from xtrain.commands import cli
+from xtrain.config import schema
+from xtrain.config.schema import ConfigError, ModelArch, Precision, RunConfig, TargetData, TrackerKind
 
 CONF = Path(__file__).resolve().parents[1] / "xtrain" / "conf"
 
@@ -51,7 +52,7 @@ def options(group: str) -> list[str]:
 
 
 def test_setting_names_are_the_golden_set():
-    assert config.setting_names() == GOLDEN_KEYS
+    assert schema.setting_names() == GOLDEN_KEYS
 
 
 def test_default_composes_to_typed_config():
@@ -105,13 +106,13 @@ def test_cross_field_rules_raise_config_error():
 def test_run_yaml_round_trips(tmp_path):
     cfg = compose_run("trainer.lr=0.01", "model=tiny_llama")
     path = tmp_path / "run.yaml"
-    path.write_text(config.to_yaml(cfg))
-    assert config.load(str(path)) == cfg
+    path.write_text(schema.to_yaml(cfg))
+    assert schema.load(str(path)) == cfg
 
 
 def test_cfg_job_does_not_import_torch():
     code = (
-        "import sys; sys.argv = ['xtrain', '--cfg', 'job']; from xtrain import cli\n"
+        "import sys; sys.argv = ['xtrain', '--cfg', 'job']; from xtrain.commands import cli\n"
         "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
         "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules]\n"
         "print('HEAVY', heavy)"
@@ -122,7 +123,7 @@ def test_cfg_job_does_not_import_torch():
 
 
 def test_help_lists_every_option_with_what_it_is_and_the_companion_commands():
-    from xtrain import help
+    from xtrain.commands import help
 
     out = subprocess.run([sys.executable, "-m", "xtrain", "--help"], capture_output=True, text=True, check=True).stdout
     for group in cli.GROUP_SCHEMAS:
@@ -164,7 +165,7 @@ def test_a_control_character_in_what_reaches_the_sbatch_script_is_refused(overri
 def test_a_newline_in_an_sbatch_args_key_is_refused():
     """(Hydra's command line cannot spell one; a config file or the Python API can.)"""
     with pytest.raises(ConfigError, match="holds a control character"):
-        config.from_container({"cluster": {"kind": "slurm", "sbatch_args": {"mail-type\nx": "END"}}})
+        schema.from_container({"cluster": {"kind": "slurm", "sbatch_args": {"mail-type\nx": "END"}}})
 
 
 @pytest.mark.parametrize("override, name", [
@@ -187,7 +188,7 @@ def test_ordinary_assignments_in_setup_lines_pass():
 
 
 def test_tracker_hyperparameters_leave_out_the_cluster_shell_strings():
-    from xtrain import tracking
+    from xtrain.engine import tracking
 
     cfg = compose_run(*NO_PARTITION, "cluster.setup=['source /secrets/env.sh']", "cluster.srun_args=['--mpi=pmix']",
                       "+cluster.sbatch_args.mail-user=me@example.com")

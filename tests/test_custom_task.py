@@ -296,7 +296,7 @@ def test_a_grid_sweep_ranks_its_points_by_the_monitored_metric(monitored_sweep):
     rows = list(csv.DictReader((monitored_sweep / "sweep.csv").open()))
     top = max(rows, key=lambda r: float(r["val_accuracy"]))
     assert f"Best (highest val_accuracy): **{top['point']}**" in (monitored_sweep / "summary.md").read_text()
-    from xtrain import status
+    from xtrain.commands import status
 
     text = status.sweep_status(monitored_sweep)
     assert text.splitlines()[0].split()[:9] == ["point", "trainer.early_stop_patience", "status", "steps", "restarts",

@@ -136,7 +136,7 @@ def test_preparation_in_parallel_gives_the_tokens_of_one_process(tmp_path, cache
 def test_sequence_losses_match_the_full_computation_in_chunks():
     import torch.nn.functional as F
 
-    from xtrain.tasks.causal_lm import sequence_losses
+    from xtrain.tasks.causal_lm.task import sequence_losses
 
     torch.manual_seed(0)
     logits, ids = torch.randn(3, 17, 50), torch.randint(0, 50, (3, 17))
@@ -297,7 +297,7 @@ def test_a_sweep_prepares_once_for_its_points(tmp_path, cache, n_jobs):
 def test_the_train_shuffle_is_accelerates_order_without_a_list_of_the_epoch():
     from accelerate.data_loader import SeedableRandomSampler
 
-    from xtrain.sampler import CHUNK, LeanSeedableRandomSampler
+    from xtrain.engine.sampler import CHUNK, LeanSeedableRandomSampler
 
     for n in (7, CHUNK * 3 + 5):
         make = lambda cls: cls(range(n), generator=torch.Generator().manual_seed(5), data_seed=3)  # noqa: E731

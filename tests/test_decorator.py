@@ -121,7 +121,7 @@ def test_calling_it_from_inside_a_worker():
 
 def test_same_meanings_as_accelerate_launch_for_the_environment():
     """Accelerate's own translation of the arguments; on a CUDA machine (cuda=True) FSDP passes through."""
-    from xtrain.decorator import _accelerate_env, _launch_args
+    from xtrain.decorator.run_with_accelerate import _accelerate_env, _launch_args
 
     gpu = _accelerate_env(*_launch_args({"num_processes": 4, "mixed_precision": "fp16", "use_fsdp": True,
                                          "fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_version": 1},
@@ -141,7 +141,7 @@ def test_same_meanings_as_accelerate_launch_for_the_environment():
     ({"num_processes": 2, "gpu_ids": "0,1"}, r"gpu_ids='0,1'\): this machine has no CUDA GPU; leave gpu_ids out"),
 ])
 def test_what_a_cpu_cannot_run_is_refused(launch_args, message):
-    from xtrain.decorator import _launch_args
+    from xtrain.decorator.run_with_accelerate import _launch_args
 
     with pytest.raises(RuntimeError, match=message):
         _launch_args(launch_args, cuda=False)
@@ -149,8 +149,8 @@ def test_what_a_cpu_cannot_run_is_refused(launch_args, message):
 
 def test_gpu_ids_are_indices_among_the_gpus_this_process_sees(monkeypatch):
     """Under a parent limited to GPUs 4-7 (a shared box, a SLURM binding), gpu_ids='1,3' are its 5 and 7."""
-    from xtrain import machine
-    from xtrain.decorator import _accelerate_env, _launch_args
+    from xtrain.core import machine
+    from xtrain.decorator.run_with_accelerate import _accelerate_env, _launch_args
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
     monkeypatch.setattr(machine, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
@@ -198,7 +198,7 @@ def test_a_worker_that_writes_bytes_that_are_not_utf8_is_still_read(capfd):
 def test_the_reader_of_torchruns_output_replaces_bytes_that_are_not_utf8_and_reads_on():
     import io
 
-    from xtrain.multiprocess import RANK0_PREFIX, _pump
+    from xtrain.launch.supervisor import RANK0_PREFIX, _pump
 
     stream = io.BytesIO(b"torchrun: caf\xe9\n" + RANK0_PREFIX.encode() + b"rank 0: \xff\xfe\n" + b"torchrun: later\n")
     terminal, log = io.StringIO(), io.StringIO()

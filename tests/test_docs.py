@@ -10,7 +10,8 @@ from pathlib import Path
 
 from conftest import REPO
 
-from xtrain import config, help
+from xtrain.commands import help
+from xtrain.config import schema
 
 
 def test_the_docs_site_builds_strictly_and_its_reference_lists_every_setting(tmp_path):
@@ -19,7 +20,7 @@ def test_the_docs_site_builds_strictly_and_its_reference_lists_every_setting(tmp
                           capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, proc.stderr
     reference = (site / "reference" / "config" / "index.html").read_text()
-    missing = [name for name in config.setting_names() if f"<code>{name}</code>" not in reference]
+    missing = [name for name in schema.setting_names() if f"<code>{name}</code>" not in reference]
     assert not missing, missing
     for group in help.GROUPS:
         for option in help.options(group):

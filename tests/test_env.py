@@ -6,8 +6,9 @@ import subprocess
 import sys
 from importlib import metadata
 
-from xtrain import hardware, machine
-from xtrain.config import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
+from xtrain.config.schema import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
+from xtrain.core import machine
+from xtrain.launch import hardware
 
 
 def test_env_report():

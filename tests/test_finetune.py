@@ -151,7 +151,7 @@ def test_padding_instead_of_packing_gives_the_same_losses(tmp_path, tiny):
     from transformers import AutoModelForCausalLM
 
     from xtrain.data.sft import PadToLongest
-    from xtrain.tasks.causal_lm import inputs, sequence_losses
+    from xtrain.tasks.causal_lm.task import inputs, sequence_losses
 
     path = write_facts(tmp_path / "f.jsonl", "messages", facts(1)[:12])
     packed, _ = prepared(tiny, [path], "data.block_size=256", "data.val_fraction=0.1").splits()

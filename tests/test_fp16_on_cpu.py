@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from conftest import compose_run, read_metrics, read_result, run_xtrain
-from xtrain import cpu_seams, hardware
-from xtrain.optim import lr_factor
+from xtrain.distributed import cpu_seams
+from xtrain.engine.optim import lr_factor
+from xtrain.launch import hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers fp16")
 

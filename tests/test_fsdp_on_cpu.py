@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from conftest import SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
-from xtrain import cpu_seams, hardware
+from xtrain.distributed import cpu_seams
+from xtrain.launch import hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers FSDP")
 
@@ -226,7 +227,8 @@ def test_the_meta_build_replays_the_eager_builds_weights_bitwise(arch):
     bitwise, and the global generator ends where the eager build leaves it (dropout draws the same masks)."""
     from transformers import AutoModelForCausalLM
 
-    from xtrain import meta_init, model as models
+    from xtrain.distributed import meta_init
+    from xtrain.tasks.causal_lm import model as models
 
     cfg = compose_run(f"model=tiny_{arch}", "model.hidden_size=256", "model.intermediate_size=688").model
     hf_config = models.transformers_config(cfg, cfg.vocab_size, 128, eos_token_id=0)

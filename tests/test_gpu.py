@@ -66,7 +66,7 @@ def test_peak_memory_holds_the_estimated_model_states(tmp_path, strategy):
 def test_every_visible_gpu_is_a_rank_over_nccl_in_real_bf16(tmp_path):
     """num_processes=auto: one rank per visible GPU, NCCL between them; bf16 is accepted only where the GPU
     has bf16 units (compute capability >= 8.0), and the facts xtrain reads without a CUDA context agree."""
-    from xtrain import machine
+    from xtrain.core import machine
 
     facts = machine.gpus()
     assert len(facts) == torch.cuda.device_count()

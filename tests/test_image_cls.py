@@ -121,9 +121,9 @@ def test_parquet_images_prepare_to_the_folders_pixels(folder, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from xtrain.config import DataConfig, DataSource
+    from xtrain.config.schema import DataConfig, DataSource
     from xtrain.data import images
-    from xtrain.task_config import TaskConfig, TaskKind
+    from xtrain.config.task import TaskConfig, TaskKind
 
     files = sorted(folder.glob("*/*.png"), key=lambda p: (p.parent.name, p.name))
     pq.write_table(pa.table({"image": [{"bytes": p.read_bytes(), "path": p.name} for p in files],

@@ -139,7 +139,7 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_
     its end, instead of waiting on it for ever. The end: all steps, or a stop at a step boundary (SIGUSR1, as
     SLURM's warning signal: a rank of a 2-node job hung so at its requeue, and its other node waited 5 min).
     The wait is 60 s; here 5 s (XTRAIN_TEST_LINGER_S), the same behaviour sooner."""
-    from xtrain.multiprocess import LINGER_ENV
+    from xtrain.launch.supervisor import LINGER_ENV
 
     linger = 5
     inject = tmp_path / "inject"
@@ -175,7 +175,7 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_
 
 def test_a_resumed_run_is_not_taken_for_ended_by_its_last_attempts_result():
     """A resumed run's result.json shows its last attempt's end until the new attempt writes its own."""
-    from xtrain.multiprocess import recorded_its_end
+    from xtrain.launch.supervisor import recorded_its_end
 
     stopped = {"status": "interrupted", "stop": {"step": 6}, "steps": 6}
     assert not recorded_its_end(stopped, before=stopped)
@@ -216,7 +216,7 @@ def test_signal_to_the_driver_stops_every_worker(tmp_path, started, sig):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     workers = [p for p in processes_of(run_dir)
-               if "xtrain.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+               if "xtrain.launch.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(workers) == 2
     driver.send_signal(sig)
     out, err = driver.communicate(timeout=180)  # a step, a checkpoint and the exit, on 2 cores that a SLURM stream shares
@@ -247,12 +247,12 @@ STUCK_ON_RANK_0 = '''
 import os
 if os.environ.get("RANK") == "0":
     import time
-    import xtrain.tasks.causal_lm
+    import xtrain.tasks.causal_lm.task
 
     def build(self, accelerator):
         time.sleep(3600)  # as a rank reading from a filesystem that stopped answering
 
-    xtrain.tasks.causal_lm.CausalLM.build = build
+    xtrain.tasks.causal_lm.task.CausalLM.build = build
 '''
 
 

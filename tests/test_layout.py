@@ -1,12 +1,21 @@
-"""The module layout the docs describe (concepts/flow.md): imports point one way, and result.json has one writer."""
+"""The package's layers (docs/concepts/architecture.md): each folder is one layer, imports point only down, no
+module imports in a cycle, and result.json has one writer."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "xtrain"
+
+# Bottom to top. A module may import its own folder and the folders before it; folders on one line import
+# neither each other nor anything above.
+LAYERS = [("core",), ("config", "conf"), ("data",), ("distributed",), ("tasks",), ("engine",), ("launch",),
+          ("backends",), ("sweeps",), ("commands", "decorator")]
+ENTRY = {"xtrain.__main__", "xtrain.prepare", "xtrain.status", "xtrain.env"}  # `python -m xtrain[.<command>]`
 
 
 def module_name(path: Path) -> str:
@@ -14,22 +23,46 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+def rank(module: str) -> int:
+    if module in ENTRY:
+        return len(LAYERS)
+    for i, names in enumerate(LAYERS):
+        if folder(module) in names:
+            return i
+    raise AssertionError(f"{module}: in no layer; put it in one of the layer folders")
+
+
+def with_packages(module: str) -> set[str]:
+    """A module and the packages above it, which Python imports first (their `__init__`s run); not the root."""
+    parts = module.split(".")
+    return {".".join(parts[:n]) for n in range(2, len(parts) + 1)}
+
+
 def imports() -> dict[str, set[str]]:
-    """Each xtrain module → the xtrain modules it imports, function-level imports included."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    """Each xtrain module → the xtrain modules and packages it imports, at any depth (function-level too)."""
     graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
+    for name, path in MODULES.items():
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:  # `from xtrain import x`: the module x
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
                            for a in node.names]
             else:
                 continue
-            found.update(t for t in targets if t in modules and t != name)
-        graph[name] = found
+            for target in targets:
+                if target.startswith("xtrain."):
+                    found |= {t for t in with_packages(target) if t in MODULES}
+        graph[name] = found - {name}
     return graph
 
 
@@ -65,32 +98,56 @@ def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_no_import_cycle_among_xtrain_modules():
+def test_every_module_is_in_a_layer_folder_and_imports_only_down():
+    graph = imports()
+    assert set(graph) - {"xtrain"} - ENTRY == {m for m in graph if folder(m)}, "a module outside the layer folders"
+    upward = sorted(f"{src} -> {dst}" for src, dsts in graph.items() if src != "xtrain" for dst in dsts
+                    if folder(src) != folder(dst) and rank(dst) >= rank(src))
+    assert upward == []
+    assert sum(len(d) for d in graph.values()) > 300  # the walk sees the imports (function-level ones included)
+
+
+def test_no_import_cycle_among_xtrain_modules_and_packages():
     assert cycle(imports()) is None
+
+
+def test_each_layer_says_what_it_holds_and_may_import_and_no_init_does_more():
+    """A layer's `__init__` is its docstring, ending with the layers it may import; the root imports lazily."""
+    for name, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        tree = ast.parse(path.read_text())
+        docstring = ast.get_docstring(tree)
+        assert docstring, name
+        if name == "xtrain":  # the public face: `xtrain.run_with_accelerate`, `xtrain.load_model`, on first use
+            assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                        and not (isinstance(n, ast.ImportFrom) and n.module == "__future__")], name
+            continue
+        assert len(tree.body) == 1, f"{name}: its __init__ holds more than a docstring"
+        if name.count(".") == 1 and name != "xtrain.conf":
+            below = [n for names in LAYERS[:rank(name + ".x")] for n in names if n != "conf"]
+            expected = f"May import: {', '.join(below)}." if below else "May import: nothing of xtrain."
+            assert docstring.splitlines()[-1] == expected, name
 
 
 def test_imports_point_one_way():
     graph = imports()
-    assert graph["xtrain.errors"] == set()  # the leaf every module may import
-    for backend in ("xtrain.backends.local", "xtrain.backends.slurm"):
-        assert "xtrain.sweep" not in reaches(graph, backend), backend
-    assert not any(m.startswith("xtrain.slurm") for m in reaches(graph, "xtrain.launch"))
-    for reader in ("xtrain.summary", "xtrain.status"):
-        assert "xtrain.sweep" not in reaches(graph, reader), reader
-    assert not {"xtrain.data", "xtrain.model"} & graph["xtrain.loop"]  # the loop reaches them through a task
+    assert graph["xtrain.core.errors"] == set()  # the leaf every module may import
+    assert not any(m.startswith("xtrain.backends.slurm") for m in reaches(graph, "xtrain.launch.preflight"))
+    assert not {"xtrain.data", "xtrain.tasks.causal_lm.model"} & graph["xtrain.engine.loop"]  # through a task
 
 
 def test_no_module_is_much_over_400_lines():
-    sizes = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    sizes = {name: len(p.read_text().splitlines()) for name, p in MODULES.items()}
     assert max(sizes.values()) <= 440, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
 
 
 def test_result_json_is_written_through_one_helper():
-    """Only run_dir.update_result writes result.json; everyone else goes through it."""
+    """Only rundir.update_result writes result.json; everyone else goes through it."""
     writers = []
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef) and path.name != "run_dir.py":
+            if isinstance(node, ast.FunctionDef) and path.name != "rundir.py":
                 text = ast.get_source_segment(path.read_text(), node) or ""
                 if "RESULT" in text and ("write_atomic" in text or "write_text" in text):
                     writers.append(f"{path.name}:{node.name}")
@@ -99,12 +156,9 @@ def test_result_json_is_written_through_one_helper():
 
 def test_importing_xtrain_modules_installs_no_warning_filter():
     """No import-time side effects outside xtrain's own loggers."""
-    import subprocess
-    import sys
-
     code = ("import warnings, logging, torch, accelerate, transformers, datasets, tqdm.auto, tqdm.contrib.logging; "
             "before = list(warnings.filters); "
-            "import xtrain.loop, xtrain.accelerator, xtrain.backends.local; "
+            "import xtrain.engine.loop, xtrain.engine.accelerator, xtrain.backends.local; "
             "assert warnings.filters == before, 'warning filter installed'; "
             "assert not logging.getLogger('transformers.modeling_utils').filters; "
             "assert not logging.getLogger('accelerate.utils.other').filters")

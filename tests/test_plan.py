@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compose_run, xtrain_in_process
-from xtrain import estimate
+from xtrain.distributed import estimate
 
 GB = 1e9
 

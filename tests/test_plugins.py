@@ -10,8 +10,8 @@ import torch
 import yaml
 
 from conftest import compose_run
-from xtrain import plugins
-from xtrain.config import ConfigError, Precision, Strategy
+from xtrain.config.schema import ConfigError, Precision, Strategy
+from xtrain.distributed import plugins
 
 FACTS = plugins.ModelFacts(hidden_size=128, wrap_layer="GPT2Block")
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -123,7 +123,7 @@ def launch_env(config_file: str) -> dict:
     """What `accelerate launch --config_file F` puts in the workers' environment (its own code paths)."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 
-    from xtrain.decorator import _accelerate_env
+    from xtrain.decorator.run_with_accelerate import _accelerate_env
 
     args = launch_command_parser().parse_args(["--config_file", config_file, "train.py"])
     return _accelerate_env(*_validate_launch_command(args), port=29500)
@@ -237,7 +237,7 @@ def test_fp8_recipe_sets_every_field_of_accelerates_recipe(backend, recipe):
 
 
 def test_fsdp_wrap_layer_is_detected_and_checked():
-    from xtrain import model as models
+    from xtrain.tasks.causal_lm import model as models
 
     gpt2 = models.on_meta(compose_run().model, 128)
     llama = models.on_meta(compose_run("model=tiny_llama").model, 128)
@@ -279,7 +279,7 @@ def test_strategy_and_precision_options_match_the_enums():
 ])
 def test_a_setup_other_than_the_requested_one_stops_the_run(overrides, distributed_type, processes):
     from accelerate.utils import DistributedType
-    from xtrain.accelerator import check_setup
+    from xtrain.engine.accelerator import check_setup
 
     with pytest.raises(RuntimeError, match="stopping rather than training something else"):
         check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)
@@ -294,7 +294,7 @@ def test_a_setup_other_than_the_requested_one_stops_the_run(overrides, distribut
 ])
 def test_the_requested_setup_passes(overrides, distributed_type, processes):
     from accelerate.utils import DistributedType
-    from xtrain.accelerator import check_setup
+    from xtrain.engine.accelerator import check_setup
 
     check_setup(compose_run(*overrides), DistributedType[distributed_type], processes)
 
@@ -302,7 +302,7 @@ def test_the_requested_setup_passes(overrides, distributed_type, processes):
 def test_fsdp1_ram_efficient_loading_materializes_on_the_ranks_own_gpu(monkeypatch):
     """The plugin captures torch.cuda.current_device() as it is made: xtrain sets rank 3's device first. (CUDA is
     stood in for: its calls are recorded, the plugin is the real one.)"""
-    from xtrain import accelerator
+    from xtrain.engine import accelerator
 
     device = [0]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -127,7 +127,7 @@ def test_a_resume_may_change_when_things_happen_and_records_it(killed_at_4):
 def test_resume_changes_apply_makes_a_new_lr_and_a_longer_run_take_effect(killed_at_4):
     """resume_changes=apply: from step 5 on the optimizer steps with the new peak lr on the new schedule (cosine to
     step 12), run.yaml says so, and the restart entry records what changed."""
-    from xtrain.optim import lr_factor
+    from xtrain.engine.optim import lr_factor
 
     run_xtrain(f"run_dir={killed_at_4}", *EIGHT, "trainer.lr=0.01", "trainer.max_steps=12", "resume=auto",
                "resume_changes=apply")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xtrain import files, run_dir as rundir
+from xtrain.core import files, rundir
 
 
 def test_update_result_merges_replaces_and_guards(tmp_path):
@@ -117,7 +117,7 @@ def test_a_half_written_rank_error_never_hides_the_real_one(tmp_path):
 def test_the_echo_of_a_job_output_starts_over_when_a_requeue_writes_it_anew(tmp_path, capsys):
     """SLURM truncates a requeued job's output: the echo notices by its first bytes, even where the new output has
     grown past the old end between two looks, and prints the new incarnation's lines from its start."""
-    from xtrain.slurm.monitor import Tail
+    from xtrain.backends.slurm.monitor import Tail
 
     out = tmp_path / "0_log.out"
     out.write_text("[10:00:01] start\nstep 1\nstep 2\npart")

@@ -16,15 +16,15 @@ from conftest import REPO
 # Hydra's own suites: they exercise Hydra as much as xtrain's plugin
 pytestmark = [pytest.mark.usefixtures("slurm_cluster"), pytest.mark.slow]
 
-# As xtrain's CLI does for an editable install (xtrain.cli.make_launchers_visible), without importing it here:
-# importing xtrain.cli sets Hydra's version base (1.3) for the whole process, which changes the suites' apps.
+# As xtrain's CLI does for an editable install (xtrain.commands.cli.make_launchers_visible), without importing it here:
+# importing xtrain.commands.cli sets Hydra's version base (1.3) for the whole process, which changes the suites' apps.
 if str(REPO / "launchers") not in sys.path:
     sys.path.append(str(REPO / "launchers"))
 
 
 def test_discovery():
-    """In a process of its own: importing xtrain.cli sets Hydra's version base for the whole process."""
-    code = ("from xtrain.cli import make_launchers_visible; make_launchers_visible(); "  # as xtrain's CLI does
+    """In a process of its own: importing xtrain.commands.cli sets Hydra's version base for the whole process."""
+    code = ("from xtrain.commands.cli import make_launchers_visible; make_launchers_visible(); "  # as xtrain's CLI does
             "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
             "print(sorted(p.__name__ for p in Plugins.instance().discover(Launcher)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -34,7 +34,7 @@ def test_discovery():
 @pytest.fixture(autouse=True)
 def no_version_base(hydra_restore_singletons):
     """The suites' apps leave Hydra's version base unset (1.1 behaviour: each job runs in its own dir). Tests
-    before these imported xtrain.cli in this process, which set it to 1.3; hydra_restore_singletons puts it back."""
+    before these imported xtrain.commands.cli in this process, which set it to 1.3; hydra_restore_singletons puts it back."""
     from hydra.version import _UNSPECIFIED_, VersionBase
 
     VersionBase.instance().version_base = _UNSPECIFIED_

@@ -93,7 +93,7 @@ def test_sigusr1_stops_two_processes_together_and_they_continue_bitwise(tmp_path
 
 def test_a_second_signal_stops_at_once(tmp_path):
     """A stop that is taking too long (a huge checkpoint, a hung rank) can still be ended right away."""
-    from xtrain import stopping
+    from xtrain.core import stopping
 
     with stopping.on():
         stopping.request(signal.SIGTERM)

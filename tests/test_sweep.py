@@ -220,7 +220,8 @@ def test_points_in_parallel_each_get_their_share_of_the_cores(tmp_path):
 def test_parallel_points_split_the_gpus_this_process_was_given(monkeypatch):
     """Under a parent limited to some GPUs (a shared box, a SLURM binding; ids, UUIDs or MIG instances), the
     points' slots split that list, never 0..k; `cluster.num_processes=auto` is each slot's share."""
-    from xtrain import hardware, machine
+    from xtrain.core import machine
+    from xtrain.launch import hardware
     from xtrain.backends import local
 
     monkeypatch.setattr(machine, "visible_gpus", lambda: 4)  # (no GPU here: the count CUDA would give)
@@ -266,7 +267,7 @@ def test_points_in_the_driver_release_their_memory(tmp_path):
 
 def test_the_peak_memory_a_run_records_starts_at_the_run():
     """memory.reset_peaks: the peak RSS measured after it ignores what the process held before."""
-    from xtrain import memory
+    from xtrain.core import memory
 
     import mmap
 
@@ -280,7 +281,7 @@ def test_the_peak_memory_a_run_records_starts_at_the_run():
     assert memory.peak_rss() < before - 300 * 2**20
 
 
-DISCOVER = ("from xtrain.cli import register_schemas; register_schemas(); "
+DISCOVER = ("from xtrain.commands.cli import register_schemas; register_schemas(); "
             "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
             "from hydra.plugins.sweeper import Sweeper; import hydra_plugins.xtrain_launcher.launcher as m; "
             "print(m.__file__, [c.__name__ for c in Plugins.instance().discover(Launcher)], "
@@ -335,8 +336,8 @@ def test_a_wheel_installed_in_a_fresh_environment_trains_sweeps_and_studies(tmp_
 def test_parallel_points_on_gpus_get_their_own_share_or_are_refused():
     """Pure check, any machine: N points at once on G GPUs get G // N each; never fewer than they ask for."""
     from xtrain.backends.local import check_parallel
-    from xtrain.errors import ConfigError
-    from xtrain.point import Point
+    from xtrain.core.errors import ConfigError
+    from xtrain.config.point import Point
 
     points = [Point(0, ["trainer.seed=1"], compose_run("cluster.num_processes=4")),
               Point(1, ["trainer.seed=2"], compose_run("cluster.num_processes=2"))]
@@ -377,9 +378,9 @@ def test_a_parallel_point_whose_process_is_killed_is_recorded_and_the_sweep_goes
 def test_a_gpu_slot_is_free_only_once_the_points_process_has_exited(tmp_path):
     """A point whose run recorded its end frees a slot of CPU cores at once, a slot of GPUs only when its process has
     exited: until then that process holds the GPUs' memory, and the next point would start beside it."""
-    from xtrain import run_dir as rundir
+    from xtrain.core import rundir
     from xtrain.backends.local import slot_is_free
-    from xtrain.point import Point
+    from xtrain.config.point import Point
 
     point = Point(0, [], compose_run(f"run_dir={tmp_path / 'point'}"))
     point.path.mkdir()

@@ -132,7 +132,7 @@ def test_bf16_autocast_is_really_applied(tmp_path, short_run):
 def test_fused_adamw_follows_the_default_update(tmp_path, short_run):
     """trainer.fused_optimizer=true: torch's fused AdamW kernel steps; the losses are the default update's up to
     rounding (measured on this CPU: equal to 1e-6 relative over 12 steps; asserted to 1e-4)."""
-    from xtrain.optim import build_optimizer
+    from xtrain.engine.optim import build_optimizer
 
     cfg = compose_run("trainer.fused_optimizer=true")
     assert build_optimizer(torch.nn.Linear(4, 4), cfg).defaults["fused"] is True
@@ -145,7 +145,7 @@ def test_fused_adamw_follows_the_default_update(tmp_path, short_run):
 
 def test_the_perplexity_of_a_huge_finite_loss_is_infinite_not_an_error():
     """exp(loss) overflows a float past ~709.8: a finite loss there is a perplexity of inf, not an OverflowError."""
-    from xtrain.evaluation import perplexity
+    from xtrain.engine.evaluation import perplexity
 
     assert perplexity(2.0) == pytest.approx(math.exp(2.0)) and perplexity(709.0) < math.inf
     assert perplexity(710.0) == math.inf and perplexity(1e6) == math.inf

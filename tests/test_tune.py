@@ -25,9 +25,9 @@ STEPS = ["trainer.max_steps=30", "trainer.warmup_steps=2", "trainer.log_every=5"
 def study_trials(sweep_dir: Path) -> list:
     import optuna
 
-    from xtrain import study
+    from xtrain.engine import study_settings
 
-    return optuna.load_study(study_name=sweep_dir.name, storage=study.open_storage(str(sweep_dir / study.JOURNAL))).trials
+    return optuna.load_study(study_name=sweep_dir.name, storage=study_settings.open_storage(str(sweep_dir / study_settings.JOURNAL))).trials
 
 
 def point_dirs(sweep_dir: Path) -> list[Path]:
@@ -198,7 +198,7 @@ def test_a_study_over_a_grid_sweeps_dir_is_refused(tmp_path):
 def test_the_search_space_takes_hydra_optuna_sweepers_syntax():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from xtrain import search_space
+    from xtrain.sweeps import search_space
 
     space = search_space.parse(["trainer.lr=tag(log,interval(1e-5,1e-2))", "trainer.batch_size=choice(8,16,32)",
                                 "model.n_layer=range(2,8,2)", "trainer.warmup_steps=tag(int,interval(0,10))",
@@ -247,14 +247,15 @@ def test_a_failed_trial_is_retried_then_told_failed(tmp_path):
 
 def _queue_again_twenty(sweep_dir: str, worker: int, start) -> None:
     """One of a study's SLURM workers putting trials back in the study's queue, under the workers' lock."""
-    from xtrain import search_space, study, study_workers, tune
+    from xtrain.engine import study_settings
+    from xtrain.sweeps import search_space, study, study_on_slurm
     from xtrain.backends import local
 
-    settings = study.StudySettings(storage=str(Path(sweep_dir) / study.JOURNAL), study_name="queue")
-    run = tune.Study(settings, search_space.parse(["trainer.lr=interval(1e-4,1e-2)"]), Path(sweep_dir), None, local,
+    settings = study_settings.StudySettings(storage=str(Path(sweep_dir) / study_settings.JOURNAL), study_name="queue")
+    run = study.Study(settings, search_space.parse(["trainer.lr=interval(1e-4,1e-2)"]), Path(sweep_dir), None, local,
                      resume=True)
-    run.claiming = lambda: study_workers.claiming(Path(sweep_dir))
-    run.optuna = study.load(settings, sampler=study.make_sampler({"_target_": "optuna.samplers.RandomSampler"}))
+    run.claiming = lambda: study_on_slurm.claiming(Path(sweep_dir))
+    run.optuna = study_settings.load(settings, sampler=study_settings.make_sampler({"_target_": "optuna.samplers.RandomSampler"}))
     start.wait(120)  # all four at once
     for i in range(20):
         run.queue_again(worker * 100 + i)
@@ -265,10 +266,11 @@ def test_workers_putting_trials_back_at_once_lose_none(tmp_path):
     the same time: the study's queue holds all 80 (read and rewritten under the lock, none is lost)."""
     import multiprocessing
 
-    from xtrain import study, tune
+    from xtrain.engine import study_settings
+    from xtrain.sweeps import study
 
-    settings = study.StudySettings(storage=str(tmp_path / study.JOURNAL), study_name="queue")
-    study.load(settings, sampler=study.make_sampler({"_target_": "optuna.samplers.RandomSampler"}))  # created
+    settings = study_settings.StudySettings(storage=str(tmp_path / study_settings.JOURNAL), study_name="queue")
+    study_settings.load(settings, sampler=study_settings.make_sampler({"_target_": "optuna.samplers.RandomSampler"}))  # created
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Barrier(4)
     workers = [ctx.Process(target=_queue_again_twenty, args=(str(tmp_path), w, start)) for w in range(4)]
@@ -277,5 +279,5 @@ def test_workers_putting_trials_back_at_once_lose_none(tmp_path):
     for w in workers:
         w.join(300)
         assert w.exitcode == 0
-    queued = study.load(settings).user_attrs[tune.AGAIN]
+    queued = study_settings.load(settings).user_attrs[study.AGAIN]
     assert sorted(queued) == sorted(w * 100 + i for w in range(4) for i in range(20))

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
-from xtrain import cpu_seams, hardware, machine, plugins
+from xtrain.core import machine
+from xtrain.distributed import cpu_seams, plugins
+from xtrain.launch import hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
 

@@ -1,4 +1,4 @@
-from xtrain.cli import main
+from xtrain.commands.cli import main
 
 if __name__ == "__main__":
     main()

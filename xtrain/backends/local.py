@@ -19,10 +19,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from xtrain import config, hardware, launch, machine, multiprocess, plan, run_dir as rundir, stopping
-from xtrain.config import RunConfig, Strategy
-from xtrain.errors import ConfigError, Stopped, one_line
-from xtrain.point import Point
+from xtrain.config import schema
+from xtrain.config.point import Point
+from xtrain.config.schema import RunConfig, Strategy
+from xtrain.core import machine, rundir, stopping
+from xtrain.core.errors import ConfigError, Stopped, one_line
+from xtrain.launch import hardware, plan, preflight, supervisor
 
 log = logging.getLogger("xtrain")
 
@@ -33,14 +35,14 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
 
 def check(cfg: RunConfig) -> None:
-    """Nothing beyond `launch.preflight`: this machine is the cluster."""
+    """Nothing beyond `preflight.preflight`: this machine is the cluster."""
 
 
 def describe(cfg: RunConfig, script: bool = True) -> str:
     """A dry run: every check the real run makes (but what this machine's hardware cannot run, which the plan
     says), then the plan. Nothing is written or started."""
-    launch.check_free(cfg)
-    launch.preflight(cfg, planning=True)
+    preflight.check_free(cfg)
+    preflight.preflight(cfg, planning=True)
     return plan.render(plan.make(cfg, hardware.refusal(cfg), machine.local_gpu_gb()))
 
 
@@ -54,9 +56,9 @@ def run(cfg: RunConfig) -> dict:
     if cfg.dry_run:
         print(describe(cfg))
         return {"dry_run": True}
-    facts = launch.preflight(cfg)
+    facts = preflight.preflight(cfg)
     prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
-    return run_here(cfg, launch.write_or_wait(cfg, facts), data_ready=True)
+    return run_here(cfg, preflight.write_or_wait(cfg, facts), data_ready=True)
 
 
 def prepare_data(cfg: RunConfig) -> None:
@@ -79,7 +81,7 @@ def run_here(cfg: RunConfig, path: Path, data_ready: bool = False) -> dict:
     # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
     # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
     if cfg.cluster.world_size == 1 and cfg.strategy.name is Strategy.ddp:
-        from xtrain.loop import train
+        from xtrain.engine.loop import train
 
         with stopping.on(stopping.GRACEFUL):
             result = train(path)
@@ -87,9 +89,9 @@ def run_here(cfg: RunConfig, path: Path, data_ready: bool = False) -> dict:
         log.info(
             "launching %d x %d processes (node %d), %d CPU threads each",
             cfg.cluster.nodes, cfg.cluster.processes_per_node, cfg.cluster.node_rank,
-            multiprocess.threads_per_process(cfg.cluster.processes_per_node),
+            supervisor.threads_per_process(cfg.cluster.processes_per_node),
         )
-        result = multiprocess.run(cfg, path)
+        result = supervisor.run(cfg, path)
     stop = result.get("stop") if result.get("status") == rundir.Status.interrupted else None
     if stop:
         raise Stopped(
@@ -254,7 +256,7 @@ def _run_parallel(take: Callable[[], Point | None], on_end: Callable[[Point], No
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         for proc, (point, _) in running.items():
-            multiprocess.stop_tree(proc)
+            supervisor.stop_tree(proc)
             rundir.record_end(point.path, rundir.Status.interrupted, "sweep interrupted")
         raise
 
@@ -275,13 +277,13 @@ def ended_without_record(code: int) -> str:
 
 
 def main() -> None:
-    from xtrain.worker import configure_logging, on_sigterm
+    from xtrain.launch.worker import configure_logging, on_sigterm
 
     configure_logging()
     signal.signal(signal.SIGTERM, on_sigterm)
     path = Path(sys.argv[1])
     try:
-        run_recorded(config.load(str(path / rundir.RUN_CONFIG)), path)
+        run_recorded(schema.load(str(path / rundir.RUN_CONFIG)), path)
     except ConfigError as err:
         print(f"xtrain: error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from xtrain import hardware
-from xtrain.cluster_config import ClusterKind
-from xtrain.config import RunConfig
+from xtrain.config.cluster import ClusterKind
+from xtrain.config.schema import RunConfig
+from xtrain.launch import hardware
 
 
 def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
@@ -17,7 +17,7 @@ def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
 def backend_for(kind: ClusterKind):
     """The backend module for `cluster.kind`."""
     if kind is ClusterKind.slurm:
-        from xtrain.backends import slurm
+        from xtrain.backends.slurm import backend as slurm
 
         return slurm
     from xtrain.backends import local

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from xtrain import machine
-from xtrain.config import DataConfig, ModelConfig, ModelSource
+from xtrain.config.schema import DataConfig, ModelConfig, ModelSource
+from xtrain.core import machine
+from xtrain.core.errors import ConfigError
 from xtrain.data.sources import Counts, cache_dir, open_source, sha
 from xtrain.data.tokenize import token_arrays
-from xtrain.errors import ConfigError
 
 log = logging.getLogger("xtrain")
 

@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 
-from xtrain.config import ExampleFormat, TrainOn
-from xtrain.errors import ConfigError
+from xtrain.config.schema import ExampleFormat, TrainOn
+from xtrain.core.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from xtrain.config import DataConfig
+from xtrain.config.schema import DataConfig
+from xtrain.config.task import TaskConfig
+from xtrain.core.errors import ConfigError
 from xtrain.data.cache import build_once, held_out, node_name, split_rows
 from xtrain.data.sources import cache_dir, resolve_files, sha
-from xtrain.errors import ConfigError
-from xtrain.task_config import TaskConfig
 
 log = logging.getLogger("xtrain")
 

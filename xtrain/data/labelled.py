@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from xtrain.config import DataConfig, DataSource, ModelConfig
+from xtrain.config.schema import DataConfig, DataSource, ModelConfig
+from xtrain.config.task import Problem, TaskConfig
+from xtrain.core.errors import ConfigError
 from xtrain.data.cache import build_once, held_out, node_name, split_rows
 from xtrain.data.sources import TEXT, Files, cache_dir, file_format, load_hf, raw_batches, sha
-from xtrain.errors import ConfigError
-from xtrain.task_config import Problem, TaskConfig
 
 log = logging.getLogger("xtrain")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xtrain.config import DataConfig, DataSource, ModelConfig
+from xtrain.config.schema import DataConfig, DataSource, ModelConfig
 
 
 def prepare(data: DataConfig, model: ModelConfig):

@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from xtrain import machine
-from xtrain.config import DataConfig, ModelConfig, TrainOn
+from xtrain.config.schema import DataConfig, ModelConfig, TrainOn
+from xtrain.core import machine
+from xtrain.core.errors import ConfigError
 from xtrain.data import chat
 from xtrain.data.cache import VAL_SPLIT_SEED, Progress, build_once, node_name, pretrained_tokenizer
 from xtrain.data.sources import TEXT, Counts, Files, cache_dir, file_format, load_hf, raw_batches, sha
 from xtrain.data.tokenize import ordered_map
-from xtrain.errors import ConfigError
 
 log = logging.getLogger("xtrain")
 

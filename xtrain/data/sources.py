@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from xtrain.config import DataConfig, DataSource
-from xtrain.errors import ConfigError
+from xtrain.config.schema import DataConfig, DataSource
+from xtrain.core.errors import ConfigError
 
 log = logging.getLogger("xtrain")
 

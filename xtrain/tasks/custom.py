@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xtrain.config import RunConfig
-from xtrain.errors import ConfigError
+from xtrain.config.schema import RunConfig
+from xtrain.core.errors import ConfigError
 from xtrain.tasks import metrics as built_in
 from xtrain.tasks.base import TaskData
 

@@ -3,8 +3,8 @@ ZeRO's bucket size and the LoRA-trainable count."""
 
 from __future__ import annotations
 
-from xtrain import plugins
-from xtrain.config import RunConfig, Strategy
+from xtrain.config.schema import RunConfig, Strategy
+from xtrain.distributed import plugins
 
 _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 
@@ -26,7 +26,7 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     wrap = plugins.fsdp_wrap_layer(cfg.strategy.wrap_layer, meta) if cfg.strategy.name is Strategy.fsdp else ""
     trainable = None
     if cfg.model.lora.enabled:
-        from xtrain import lora
+        from xtrain.tasks import lora
 
         trainable = lora.check(meta, cfg.model.lora)
     hidden = getattr(getattr(meta, "config", None), "hidden_size", None)

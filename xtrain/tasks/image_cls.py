@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from xtrain.config import RunConfig
+from xtrain.config.schema import RunConfig
+from xtrain.core.errors import ConfigError
 from xtrain.data import images
-from xtrain.errors import ConfigError
 from xtrain.tasks import custom, metrics
 from xtrain.tasks.base import TaskData
 from xtrain.tasks.custom import Custom

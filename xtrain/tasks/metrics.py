@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 import torch
 
-from xtrain.errors import ConfigError
-from xtrain.task_config import MAXIMIZED, metric_name as name_of  # noqa: F401 (the metrics better when higher)
+from xtrain.config.task import MAXIMIZED, metric_name as name_of  # noqa: F401 (the metrics better when higher)
+from xtrain.core.errors import ConfigError
 
 
 def _counts(preds: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from xtrain.config import ModelConfig, ModelSource
-from xtrain.errors import ConfigError
+from xtrain.config.schema import ModelConfig, ModelSource
+from xtrain.core.errors import ConfigError
 
 
 def cannot_load(model: ModelConfig, err: BaseException) -> ConfigError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from xtrain.config import RunConfig, TaskKind
+from xtrain.config.schema import RunConfig, TaskKind
 from xtrain.tasks.base import Task
 
 
@@ -20,6 +20,6 @@ def task_for(cfg: RunConfig) -> Task:
         from xtrain.tasks.seq_cls import SeqCls
 
         return SeqCls(cfg)
-    from xtrain.tasks.causal_lm import CausalLM
+    from xtrain.tasks.causal_lm.task import CausalLM
 
     return CausalLM(cfg)

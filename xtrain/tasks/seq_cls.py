@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from xtrain import lora
-from xtrain.tasks import pretrained
-from xtrain.config import RunConfig
+from xtrain.config.schema import RunConfig
+from xtrain.config.task import PROBLEM_TYPES, Problem
+from xtrain.core.errors import ConfigError
 from xtrain.data import labelled
 from xtrain.data.sft import PadToLongest
-from xtrain.errors import ConfigError
-from xtrain.task_config import PROBLEM_TYPES, Problem
+from xtrain.tasks import lora
+from xtrain.tasks import pretrained
 from xtrain.tasks import metrics as built_in
 from xtrain.tasks.base import TaskData
 from xtrain.tasks.custom import Custom

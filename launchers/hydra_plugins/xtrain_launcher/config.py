@@ -46,7 +46,7 @@ class OptunaSweeperConf:
     """`hydra/sweeper=xtrain_optuna` (sweeper.py): hydra-optuna-sweeper's keys where they mean the same."""
 
     _target_: str = "hydra_plugins.xtrain_launcher.sweeper.OptunaSweeper"
-    sampler: Any = "tpe"  # a name (xtrain.study.SAMPLERS) or {_target_: optuna.samplers.<Name>, ...}
+    sampler: Any = "tpe"  # a name (xtrain.engine.study_settings.SAMPLERS) or {_target_: optuna.samplers.<Name>, ...}
     seed: Optional[int] = None  # the named sampler's seed
     direction: str = "minimize"
     objective: str = "val_loss"  # what a trial is judged by: its final value, reported at each eval
@@ -55,7 +55,7 @@ class OptunaSweeperConf:
     n_trials: int = 20
     n_jobs: int = 1  # trials at once, each in its own slot of this machine
     max_retries: int = 0  # a failed trial runs again from its checkpoint, up to this many times
-    pruner: str = "median"  # xtrain.study.PRUNERS
+    pruner: str = "median"  # xtrain.engine.study_settings.PRUNERS
     pruner_settings: PrunerSettings = field(default_factory=PrunerSettings)
     params: Dict[str, Any] = field(default_factory=dict)  # the search space: {setting: "interval(...)", ...}
 

@@ -1,7 +1,7 @@
 """`hydra/launcher=xtrain` (local; xtrain's default) and `hydra/launcher=xtrain_slurm` (one SLURM job array).
 
-For xtrain's own runs both hand the points to `xtrain.sweep` with their backend
-(`xtrain.backends.local`, `xtrain.backends.slurm`): every point is composed and validated and its run
+For xtrain's own runs both hand the points to `xtrain.sweeps.sweep` with their backend
+(`xtrain.backends.local`, `xtrain.backends.slurm.backend`): every point is composed and validated and its run
 dir written before the first one runs or is queued; failures are recorded and the sweep goes on; the
 sweep dir gets its summary after every point. They differ only in the backend, where a point runs. Any other Hydra app under `xtrain_slurm` runs as hydra-submitit-launcher
 runs it: each job on one node, through submitit.
@@ -27,21 +27,21 @@ class _XtrainLauncher(Launcher):
         self.task_function = task_function
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
         if self.runs_xtrain:
-            from xtrain import sweep
+            from xtrain.sweeps import sweep
 
             sweep.note_sweep_dir(self.sweep_dir)
 
     @property
     def runs_xtrain(self) -> bool:
-        return getattr(self.task_function, "__module__", None) == "xtrain.cli"
+        return getattr(self.task_function, "__module__", None) == "xtrain.commands.cli"
 
     @property
     def compose(self) -> "Composer":
         return Composer(self.hydra_context, self.config)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from xtrain import sweep
-        from xtrain.errors import ConfigError
+        from xtrain.sweeps import sweep
+        from xtrain.core.errors import ConfigError
 
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
         overrides = [list(o) for o in job_overrides]
@@ -103,7 +103,7 @@ class SlurmLauncher(_XtrainLauncher):
         self.options = {"array_parallelism": array_parallelism}
 
     def backend(self):
-        from xtrain.backends import slurm
+        from xtrain.backends.slurm import backend as slurm
 
         return slurm
 
@@ -117,7 +117,7 @@ class SlurmLauncher(_XtrainLauncher):
         hydra-submitit-launcher; the job's outcome comes back through submitit's result files."""
         import logging
 
-        from xtrain.slurm import submit
+        from xtrain.backends.slurm import submit
 
         log = logging.getLogger(__name__)
         self.sweep_dir.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,9 @@
     python -m xtrain -m hydra/sweeper=xtrain_optuna hydra.sweeper.n_trials=20 \
         'trainer.lr=tag(log,interval(1e-5,1e-2))' 'trainer.batch_size=choice(8,16)'
 
-Hydra glue only: the study (asking, points, telling, resume) is `xtrain.tune`, the Optuna side `xtrain.study`,
-the search space `xtrain.search_space`. The trials run on this machine (`n_jobs` at a time), or with
-`cluster=slurm` in `n_jobs` SLURM workers that ask for trials themselves (`xtrain.study_workers`). This module imports no Optuna: Hydra imports every
+Hydra glue only: the study (asking, points, telling, resume) is `xtrain.sweeps.study`, the Optuna side `xtrain.engine.study_settings`,
+the search space `xtrain.sweeps.search_space`. The trials run on this machine (`n_jobs` at a time), or with
+`cluster=slurm` in `n_jobs` SLURM workers that ask for trials themselves (`xtrain.sweeps.study_on_slurm`). This module imports no Optuna: Hydra imports every
 plugin at every start.
 """
 
@@ -34,10 +34,11 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: List[str]) -> None:
         from hydra.core.utils import configure_log
 
-        from xtrain import search_space, study, tune
-        from xtrain.config import setting_names
-        from xtrain.cli import GROUP_SCHEMAS
-        from xtrain.errors import ConfigError
+        from xtrain.engine import study_settings
+        from xtrain.sweeps import search_space, study
+        from xtrain.config.schema import setting_names
+        from xtrain.commands.cli import GROUP_SCHEMAS
+        from xtrain.core.errors import ConfigError
 
         if not getattr(self.launcher, "runs_xtrain", False):
             raise ConfigError("hydra/sweeper=xtrain_optuna runs xtrain's own runs (python -m xtrain) only")
@@ -53,29 +54,29 @@ class OptunaSweeper(Sweeper):
         if not space.distributions:
             raise ConfigError("hydra.sweeper.params: no search space; give at least one setting to sample, e.g. "
                               "'trainer.lr=tag(log,interval(1e-5,1e-2))'")
-        sampler = study.sampler_spec(s.pop("sampler"), s.pop("seed"))
-        study.make_sampler(sampler)
+        sampler = study_settings.sampler_spec(s.pop("sampler"), s.pop("seed"))
+        study_settings.make_sampler(sampler)
         pruner_settings = s.pop("pruner_settings")
-        settings = study.check(study.StudySettings(
-            storage=study.storage_path(s.pop("storage"), self.sweep_dir),
+        settings = study_settings.check(study_settings.StudySettings(
+            storage=study_settings.storage_path(s.pop("storage"), self.sweep_dir),
             study_name=s.pop("study_name") or self.sweep_dir.name,
             sampler=sampler,
             pruner_settings={k: v for k, v in dict(pruner_settings or {}).items() if v is not None},
             **s,
         ))
-        run = tune.Study(settings, space, self.sweep_dir, self.launcher.compose, self.launcher.backend(),
+        run = study.Study(settings, space, self.sweep_dir, self.launcher.compose, self.launcher.backend(),
                          resume=self.config.get("resume") == "auto")
         run.check()
         if run.on_slurm:
-            from xtrain import study_workers
+            from xtrain.sweeps import study_on_slurm
 
-            study_workers.check(run)
+            study_on_slurm.check(run)
         if self.config.get("dry_run"):
             run.dry_run()
             return
         run.open()
         if run.on_slurm:  # its workers: a job array, each asking for trials and running them
-            study_workers.run(run)
+            study_on_slurm.run(run)
         else:
             run.run()
 

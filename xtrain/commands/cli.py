@@ -1,0 +1,149 @@
+"""`python -m xtrain`: Hydra composes xtrain/conf/ over the typed schema, then the backend of `cluster.kind` runs it.
+
+User errors (bad values, unknown keys, missing files) end as one line on stderr and
+exit code 2. This module imports neither torch nor transformers: `--cfg job` and
+`--help` stay fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from xtrain.config import schema
+from xtrain.config.schema import RunConfig
+from xtrain.core.errors import ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
+from xtrain.core.files import keep_private
+
+GROUP_SCHEMAS = {
+    "model": schema.ModelConfig,
+    "data": schema.DataConfig,
+    "strategy": schema.StrategyConfig,
+    "precision": schema.PrecisionConfig,
+    "cluster": schema.ClusterConfig,
+    "trainer": schema.TrainerConfig,
+    "tracker": schema.TrackerConfig,
+    "task": schema.TaskConfig,
+}
+
+
+def register_schemas() -> None:
+    make_launchers_visible()  # xtrain/conf/config.yaml names hydra/launcher=xtrain
+    store = ConfigStore.instance()
+    root = OmegaConf.structured(RunConfig)
+    root.model, root.data = "???", "???"  # typed by the group option: a schema's, or a user's own by _target_
+    store.store(name="run_config", node=root)
+    for group, node in GROUP_SCHEMAS.items():
+        store.store(group=f"schema/{group}", name="base", node=node)  # extended by xtrain/conf/<group>/*.yaml
+
+
+def fail(message: str) -> None:
+    print(f"xtrain: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+@hydra.main(config_path="pkg://xtrain.conf", config_name="config", version_base="1.3")
+def hydra_main(cfg: DictConfig):
+    output_dir = HydraConfig.get().runtime.output_dir
+    try:
+        cfg.run_dir = output_dir
+        from xtrain.backends.registry import backend_for, resolve_auto
+
+        resolved = resolve_auto(schema.from_container(cfg))
+        return backend_for(resolved.cluster.kind).run(resolved).get("val_loss")
+    except ConfigError as err:
+        # Exit here: an exception leaving the task makes Hydra print its own report first.
+        fail(str(err))
+    except LaunchFailed as err:
+        print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except Stopped as err:  # on request, at a step boundary, with a checkpoint: not an error
+        print(f"xtrain: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    except Diverged as err:
+        print(f"xtrain: error: {err}", file=sys.stderr)
+        sys.exit(1)
+    finally:  # a dry run or a refused run leaves no empty run dir behind
+        _remove_if_empty(Path(output_dir))
+
+
+def _remove_if_empty(path: Path) -> None:
+    if path.is_dir() and not any(path.iterdir()):
+        path.rmdir()
+
+
+def make_launchers_visible() -> None:
+    """Hydra finds launchers by listing `hydra_plugins.__path__`; a setuptools editable install serves the
+    package through an import hook that such a listing cannot see. Put its real folder on sys.path."""
+    spec = importlib.util.find_spec("hydra_plugins.xtrain_launcher")
+    if spec is not None and spec.origin is not None:
+        root = str(Path(spec.origin).parents[2])
+        if root not in sys.path:
+            sys.path.append(root)
+
+
+def main() -> None:
+    asked = set(sys.argv[1:])
+    if "--version" in asked:
+        from xtrain import __version__
+
+        print(f"xtrain {__version__}")
+        return
+    if asked & {"--help", "-h"}:
+        from xtrain.commands import help
+
+        print(help.text())
+        return
+    keep_private()
+    register_schemas()
+    # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        hydra_main()
+    except (ConfigError, HydraException, OmegaConfBaseException) as err:
+        if "xtrain.sweeps.sweep" in sys.modules:  # a sweep refused before it ran: its dir as it was
+            sys.modules["xtrain.sweeps.sweep"].restore_sweep_dir()
+        _report_refusal(err)
+    except SweepFailed as err:  # one line per failed point; the summary has them all
+        for line in str(err).splitlines():
+            print(f"xtrain: error: {line}", file=sys.stderr)
+        sys.exit(err.exit_code)
+
+
+def _report_refusal(err: Exception) -> None:
+    if isinstance(err, ConfigError):
+        fail(str(err))
+    if isinstance(err, MissingConfigException):
+        fail(unknown_option(str(err)))
+    fail(explain(err, schema.setting_names()))
+
+
+def unknown_option(message: str) -> str:
+    """Hydra's report of a group option that does not exist (several lines) as one: the option, what was probably
+    meant, the choices."""
+    import difflib
+    import re
+
+    missing = re.search(r"Could not find '([^']+)'", message)
+    if not missing or "/" not in missing.group(1):
+        return " ".join(message.split("Config search path")[0].split())
+    group, _, option = missing.group(1).rpartition("/")
+    choices = re.findall(r"^\t(\S+)$", message, re.M)
+    close = difflib.get_close_matches(option, choices, n=1, cutoff=0.6)
+    listed = ", ".join(choices) if choices else "none"
+    hint = f"did you mean {group}={close[0]}? (options: {listed})" if close else f"choose one of {listed}"
+    return f"{group}={option}: no such option; {hint}"
+
+
+if __name__ == "__main__":
+    main()

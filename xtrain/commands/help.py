@@ -1,0 +1,151 @@
+"""What `python -m xtrain --help` and the docs' reference say, from one source each: a group's options are the
+YAML files in xtrain/conf/ (each described by its first comment line), a setting's description is the docstring under
+its field in the schema (config.py and the *_config.py modules beside it).
+
+This module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from importlib.resources import files
+
+import yaml
+
+GROUPS = ("task", "model", "data", "strategy", "precision", "cluster", "trainer", "tracker", "experiment")
+COMMANDS = {
+    "python -m xtrain.prepare OVERRIDES": "prepare the run's data ahead of time (nothing trains)",
+    "python -m xtrain.status DIR": "where a run or a sweep stands, from its files",
+    "python -m xtrain.env": "versions, devices, and what this machine can run",
+}
+
+
+def options(group: str) -> dict[str, str]:
+    """A group's options, each with its description (the comment its file starts with)."""
+    found = {}
+    for path in sorted(files("xtrain.conf").joinpath(group).iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".yaml"):
+            about = []
+            for line in path.read_text().splitlines():
+                if not line.startswith("#"):
+                    break
+                if not line.startswith("# @package"):
+                    about.append(line[1:].strip())
+            found[path.name[:-len(".yaml")]] = " ".join(about)
+    return found
+
+
+def defaults() -> dict[str, str | None]:
+    """Each group's default option, as xtrain/conf/config.yaml's defaults list has it."""
+    entries = yaml.safe_load(files("xtrain.conf").joinpath("config.yaml").read_text())["defaults"]
+    chosen: dict[str, str | None] = {}
+    for entry in entries:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                chosen[key.split()[-1]] = value
+    return chosen
+
+
+def field_docs(schema) -> dict[str, str]:
+    """The docstring under each field of a dataclass (the string literal that follows it), by field name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(schema)}
+
+
+def text() -> str:
+    import xtrain
+    from xtrain.config.schema import RunConfig
+
+    chosen, root = defaults(), field_docs(RunConfig)
+    lines = [f"xtrain {xtrain.__version__}: declarative experiment configs for distributed PyTorch training", "",
+             "usage: python -m xtrain [GROUP=OPTION ...] [SETTING=VALUE ...]        one run",
+             "       python -m xtrain -m [GROUP=A,B ...] [SETTING=X,Y ...]          a sweep (or a study: "
+             "hydra/sweeper=xtrain_optuna)", "",
+             "Config groups (GROUP=OPTION):"]
+    for group in GROUPS:
+        found = options(group)
+        default = chosen.get(group)
+        lines.append(f"  {group}: {', '.join(found)}" + (f"  (default: {default})" if default else "  (default: none)"))
+        width = max(len(name) for name in found)
+        lines += [f"      {name:<{width}}  {about}" for name, about in found.items()]
+    lines += ["", "Settings of every run (SETTING=VALUE):"]
+    lines += [f"  {name:<10} {root[name]}" for name in ("run_dir", "resume", "resume_changes", "dry_run") if name in root]
+    lines += ["  python -m xtrain --cfg job prints every setting with its value; the docs' reference describes each.", "",
+              "Companion commands:"]
+    lines += [f"  {command:<38} {about}" for command, about in COMMANDS.items()]
+    lines += ["", "Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m (--multirun)."]
+    return "\n".join(lines)
+
+
+def reference() -> str:
+    """The docs' configuration reference (markdown): each group's options, then every setting with its type,
+    default and description, from the same sources as `--help`."""
+    import typing
+
+    from xtrain.config.schema import RunConfig
+
+    hints = typing.get_type_hints(RunConfig)  # a group typed by its option (model, data): its schema's default
+    hints.update({f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)
+                  if f.default_factory is not dataclasses.MISSING})
+    chosen, root = defaults(), field_docs(RunConfig)
+    out = []
+    for group in GROUPS:
+        out += [f"## `{group}`", "", "| option | what |", "| --- | --- |"]
+        out += [f"| `{name}`{' (default)' if name == chosen.get(group) else ''} | {_cell(about)} |"
+                for name, about in options(group).items()]
+        out.append("")
+        if group in hints and dataclasses.is_dataclass(hints[group]):
+            out += ["| setting | type | default | what |", "| --- | --- | --- | --- |"]
+            out += _settings(hints[group], group)
+            out.append("")
+    out += ["## Settings of every run", "", "| setting | type | default | what |", "| --- | --- | --- | --- |"]
+    defaults_of = {f.name: f.default for f in dataclasses.fields(RunConfig)}
+    out += [f"| `{name}` | `{_type(hints[name])}` | `{defaults_of[name]}` | {_cell(root[name])} |"
+            for name in root if name not in hints or not dataclasses.is_dataclass(hints[name])]
+    return "\n".join(out) + "\n"
+
+
+def _settings(schema, prefix: str) -> list[str]:
+    import typing
+
+    hints, docs, rows = typing.get_type_hints(schema), field_docs(schema), []
+    for f in dataclasses.fields(schema):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            rows += _settings(kind, f"{prefix}.{f.name}")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        rows.append(f"| `{prefix}.{f.name}` | `{_type(kind)}` | `{_value(default)}` | {_cell(docs[f.name])} |")
+    return rows
+
+
+def _type(kind) -> str:
+    import enum
+    import typing
+
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (list, typing.List):
+        return f"list of {_type(args[0])}"
+    if args and len(args) < len(typing.get_args(kind)):  # Optional[X]
+        return f"{_type(args[0])} or null"
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return " \\| ".join(str(m.value) for m in kind)
+    return getattr(kind, "__name__", str(kind))
+
+
+def _value(value) -> str:
+    value = getattr(value, "value", value)  # an Enum's
+    return "null" if value is None else str(value).replace("|", "\\|")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|") or "—"

@@ -1,0 +1,423 @@
+"""The typed run config: one dataclass per config group, validated on construction.
+
+This module imports neither torch nor transformers, so composing a config stays fast.
+Every user-facing rule raises `ConfigError` with a sentence that names the setting,
+the bad value and what would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, List, Optional
+
+from xtrain.config.cluster import ClusterConfig
+from xtrain.config.lora import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
+from xtrain.config.strategy import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
+                                     StrategyConfig)
+from xtrain.config.task import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
+                                 check_monitor, monitor_direction, target_data, target_model)
+from xtrain.core.errors import ConfigError, override_of, non_negative, positive, unknown_setting
+
+
+class ModelSource(Enum):
+    config = "config"  # built from a transformers config, random init
+    pretrained = "pretrained"  # from_pretrained(model.name_or_path)
+
+
+class ModelArch(Enum):
+    gpt2 = "gpt2"
+    llama = "llama"
+
+
+class DataSource(Enum):
+    pydoc = "pydoc"  # CPython's bundled documentation topics: no download
+    text = "text"  # local files (.txt, .jsonl, .json, .jsonl.gz, .json.gz, .parquet, .csv)
+    hf = "hf"  # a datasets hub name or a save_to_disk directory
+    sft = "sft"  # instruction or chat examples (local files or a dataset), rendered with the model's chat template
+    images = "images"  # labelled images (task=image_cls): image folders, .npz arrays or Parquet files
+
+
+class ExampleFormat(Enum):
+    auto = "auto"  # from the columns
+    messages = "messages"  # [{role, content}, ...] (OpenAI style; ShareGPT's {from, value} too)
+    prompt_completion = "prompt_completion"
+    alpaca = "alpaca"  # instruction, input (optional), output
+
+
+class TrainOn(Enum):
+    answers = "answers"  # the assistant turns (the completion, the output); the rest is context
+    all = "all"  # every token of the rendered example
+
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class Fp8Backend(Enum):
+    te = "te"  # NVIDIA Transformer Engine
+    torchao = "torchao"
+    msamp = "msamp"
+
+
+class TrackerKind(Enum):
+    none = "none"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+
+
+@dataclass
+class ModelConfig:
+    source: ModelSource = ModelSource.config
+    """`config`: build `arch` with the sizes below, random init; `pretrained`: load `name_or_path`."""
+    arch: ModelArch = ModelArch.gpt2
+    """Architecture for `source=config`."""
+    name_or_path: Optional[str] = None
+    """For `source=pretrained`: a hub id or a local directory holding the model and its tokenizer."""
+    hidden_size: int = 128
+    """Width of the built-in model (`source=config`)."""
+    num_layers: int = 4
+    """Transformer blocks of the built-in model."""
+    num_heads: int = 4
+    """Attention heads of the built-in model (hidden_size must divide by it)."""
+    num_kv_heads: Optional[int] = None
+    """Llama only: key/value heads for grouped-query attention (default: num_heads)."""
+    intermediate_size: int = 512
+    """Width of the built-in model's MLP."""
+    vocab_size: int = 2048
+    """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
+    dropout: float = 0.0
+    """Dropout of the built-in model (attention, residual and embedding)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.enabled and self.source is ModelSource.config:
+            raise ConfigError(
+                "model.lora.enabled=true: the model is built from config with random weights, and LoRA adapts "
+                "trained ones; use model=hf model.name_or_path=<a pretrained model>"
+            )
+        if self.lora.quantize_base is not BaseQuantization.none and not self.lora.enabled:
+            raise ConfigError(f"model.lora.quantize_base={self.lora.quantize_base.value}: only with model.lora.enabled=true")
+        if self.source is ModelSource.pretrained and not self.name_or_path:
+            raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            positive(f"model.{name}", getattr(self, name))
+        if self.vocab_size < 260:
+            raise ConfigError(f"model.vocab_size={self.vocab_size}: must be >= 260 (256 bytes + special tokens)")
+        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads}: must divide model.num_heads={self.num_heads}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size}: must be divisible by model.num_heads={self.num_heads}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
+
+
+@dataclass
+class DataConfig:
+    source: DataSource = DataSource.pydoc
+    """Where the data comes from; each option of the `data` group sets it."""
+    files: List[str] = field(default_factory=list)
+    """For `source=text`: files, directories or globs (formats: xtrain/data/sources.py)."""
+    name: Optional[str] = None
+    """For `source=hf`: a datasets hub name or a directory written by `save_to_disk`."""
+    config_name: Optional[str] = None
+    """For `source=hf`: the hub dataset's configuration, if it has several."""
+    split: str = "train"
+    """For `source=hf`: the dataset's split to read (the val split is drawn from it)."""
+    text_column: str = "text"
+    """The column that holds each record's text (record formats and `source=hf`)."""
+    block_size: int = 128
+    """Tokens per training sequence; documents are packed into blocks of this length."""
+    val_fraction: float = 0.05
+    """Share of the blocks held out for evaluation, up to `max_val_tokens`."""
+    max_val_tokens: int = 16384
+    """Validation blocks hold at most this many tokens (at least one block): an eval's cost is bounded."""
+    num_proc: Optional[int] = None
+    """Processes that tokenize while preparing (default: every core of the machine that prepares)."""
+    cache_dir: str = "~/.cache/xtrain"
+    """Tokenizers and prepared tokens are cached here (env XTRAIN_CACHE_DIR overrides)."""
+    # sft only -----------------------------------------------------------------------------
+    format: ExampleFormat = ExampleFormat.auto
+    """The examples' shape: `messages`, `prompt_completion`, `alpaca`, or `auto` (from the columns)."""
+    train_on: TrainOn = TrainOn.answers
+    """Which tokens the loss covers: `answers` (assistant turns, the completion) or `all`."""
+    packing: bool = True
+    """Several examples per block of `block_size`, each attending only to itself (position ids restart);
+    false: one example per sequence, padded to the longest in the batch."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (or a file holding one) for a tokenizer that has none, or to replace its own."""
+
+    def __post_init__(self) -> None:
+        if self.source is DataSource.sft and not (self.files or self.name):
+            raise ConfigError("data.files is empty: data=sft needs example files (data.files=[chat.jsonl]) "
+                              "or a dataset (data.name=<hub name or save_to_disk dir>)")
+        if self.source is DataSource.images and not self.files:
+            raise ConfigError("data.files is empty: data=images needs image folders (<root>/<class>/<image>.png), "
+                              ".npz or .parquet files, e.g. 'data.files=[photos]'")
+        if self.source is DataSource.text and not self.files:
+            raise ConfigError("data.files is empty: data=text needs files or globs, e.g. data.files=[notes/*.txt]")
+        if self.source is DataSource.hf and not self.name:
+            raise ConfigError("data.name is empty: data=hf needs a datasets hub name or a save_to_disk directory")
+        positive("data.block_size", self.block_size)
+        if not 0 < self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={self.val_fraction}: must be between 0 and 1 (exclusive)")
+        positive("data.max_val_tokens", self.max_val_tokens)
+        if self.num_proc is not None:
+            positive("data.num_proc", self.num_proc)
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = Precision.fp32
+    """Mixed precision; each option of the `precision` group sets it."""
+    fp8_backend: Fp8Backend = Fp8Backend.te
+    """precision=fp8 only: `te` (Transformer Engine), `torchao` or `msamp`."""
+
+
+@dataclass
+class TrainerConfig:
+    batch_size: int = 16
+    """Per-device micro batch, in sequences."""
+    grad_accum: int = 1
+    """Micro batches per optimizer step."""
+    max_steps: int = 300
+    """Optimizer steps."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW), reached after warmup_steps, then cosine decay to min_lr_ratio x lr."""
+    warmup_steps: int = 30
+    """Optimizer steps of linear warmup from 0 to lr."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (not on biases and norms)."""
+    max_grad_norm: float = 1.0
+    """0 disables clipping."""
+    eval_every: int = 100
+    """Evaluate every this many optimizer steps (and at step 0 and the end)."""
+    save_every: int = 100
+    """Write a checkpoint every this many optimizer steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run dir: the newest this many."""
+    log_every: int = 10
+    """Log a train row (metrics.jsonl, trackers, a log line) every this many optimizer steps."""
+    seed: int = 0
+    """Seeds the model's init, the data order and every rank's RNGs."""
+    fused_optimizer: bool = False
+    """AdamW as one fused kernel over all parameters (torch's `fused=True`): faster on GPUs, equal to the
+    default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
+    sample_prompts: List[str] = field(default_factory=list)
+    """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
+    has one): logged, written to metrics.jsonl (`sample/<i>`) and sent to the trackers."""
+    sample_max_tokens: int = 48
+    """New tokens per answer to `sample_prompts` (greedy)."""
+    compile: bool = False
+    """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
+    start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
+    monitor: str = "val_loss"
+    """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
+    `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
+    sweep's points."""
+    monitor_direction: Direction = Direction.auto
+    """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics (a metric by
+    `_target_` needs `maximize` or `minimize`)."""
+    export: Export = Export.last
+    """What `model/` holds: the `last` model, or the `best` one by `monitor` (exported at each eval that improves
+    it; result.json's `model_step` says which)."""
+    early_stop_patience: int = 0
+    """Stop when this many evals in a row have not improved `monitor` (by more than `early_stop_min_delta`): at that
+    step boundary, with its checkpoint and `model/`; the run is `completed` and `early_stop` records why. 0: never."""
+    early_stop_min_delta: float = 0.0
+    """How much `monitor` must improve on its best for an eval to count as an improvement."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",
+                     "sample_max_tokens"):
+            positive(f"trainer.{name}", getattr(self, name))
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+            non_negative(f"trainer.{name}", getattr(self, name))
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"trainer.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (resume needs one)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        non_negative("trainer.early_stop_patience", self.early_stop_patience)
+        non_negative("trainer.early_stop_min_delta", self.early_stop_min_delta)
+
+
+@dataclass
+class TrackerConfig:
+    kind: TrackerKind = TrackerKind.none
+    """Where metrics go besides metrics.jsonl; each option of the `tracker` group sets it."""
+    project: str = "xtrain"
+    """Project name for TensorBoard / W&B."""
+    wandb_mode: str = "auto"
+    """`auto`: online when a W&B API key is configured, else offline (files in the run dir)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("auto", "online", "offline"):
+            raise ConfigError(f"tracker.wandb_mode={self.wandb_mode}: must be one of auto, online, offline")
+
+
+@dataclass
+class RunConfig:
+    model: Any = field(default_factory=ModelConfig)  # a ModelConfig, or a TargetModel (task=custom)
+    data: Any = field(default_factory=DataConfig)  # a DataConfig, or a TargetData (task=custom)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    run_dir: str = "runs/default"
+    """Where this run's files go; also Hydra's output dir."""
+    resume: str = "none"
+    """`none`, `auto` (newest checkpoint in run_dir, fresh start if none) or a checkpoint path."""
+    resume_changes: str = "refuse"
+    """A resume with settings that change what trains: `refuse` (one line lists them) or `apply` (the learning
+    rate, its schedule, max_steps, weight decay and clipping take effect from the resumed step, recorded in
+    result.json). Log, eval and save intervals, trackers, timeouts and the SLURM request may always change."""
+    dry_run: bool = False
+    """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
+
+    def __post_init__(self) -> None:
+        if self.resume_changes not in ("refuse", "apply"):
+            raise ConfigError(f"resume_changes={self.resume_changes}: must be refuse or apply")
+        if (self.task.name is TaskKind.causal_lm and self.data.source is DataSource.sft
+                and self.model.source is ModelSource.config):
+            raise ConfigError(
+                "data=sft: the built-in model's tokenizer has no chat template and no pretrained knowledge to "
+                "fine-tune; use model=hf model.name_or_path=<a pretrained (chat) model>"
+            )
+        offload = self.strategy.offload_optimizer
+        if self.trainer.fused_optimizer and offload is not Offload.none:
+            raise ConfigError(
+                f"trainer.fused_optimizer=true: with strategy.offload_optimizer={offload.value} DeepSpeed steps on the "
+                "host with its own DeepSpeedCPUAdam; use trainer.fused_optimizer=false"
+            )
+        if self.trainer.compile and self.strategy.name is Strategy.fsdp and self.strategy.fsdp_version == 1:
+            raise ConfigError(
+                "trainer.compile=true: with strategy.fsdp_version=1 Accelerate compiles around FSDP1's wrappers "
+                "and renames every parameter; use strategy.fsdp_version=2 or trainer.compile=false"
+            )
+
+
+def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a user can set, e.g. `trainer.batch_size`."""
+    names = []
+    for f in dataclasses.fields(schema):
+        default = schema.__dataclass_fields__[f.name]
+        sub = default.default_factory() if default.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub):
+            names += setting_names(type(sub), f"{prefix}{f.name}.")
+        else:
+            names.append(f"{prefix}{f.name}")
+    return names
+
+
+def to_container(cfg: RunConfig) -> dict:
+    """Plain nested dict, enums as their names; a model or datasets by `_target_` as the config spells them."""
+    from omegaconf import OmegaConf
+
+    custom_model, custom_data = isinstance(cfg.model, TargetModel), isinstance(cfg.data, TargetData)
+    if not (custom_model or custom_data):
+        return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    plain = dataclasses.replace(cfg, model=ModelConfig() if custom_model else cfg.model,
+                                data=DataConfig() if custom_data else cfg.data)
+    out = OmegaConf.to_container(OmegaConf.structured(plain), enum_to_str=True)
+    if custom_model:
+        out["model"] = cfg.model.node()
+    if custom_data:
+        out["data"] = {"train": dict(cfg.data.train), "val": dict(cfg.data.val)}
+    return out
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.create(to_container(cfg)))
+
+
+def from_container(container: Any) -> RunConfig:
+    """Validate a plain/omegaconf mapping against the schema and build the typed RunConfig. A key the schema does
+    not have (added with `+`, or in a file) is refused: OmegaConf would keep or drop it, and nothing would read it."""
+    from omegaconf import DictConfig, OmegaConf
+
+    plain = OmegaConf.to_container(container) if isinstance(container, DictConfig) else container
+    model, data = target_model(plain.get("model")), target_data(plain.get("data"))
+    if model or data:  # (their keys are the user's callables' arguments)
+        plain = {k: v for k, v in plain.items() if not (k == "model" and model or k == "data" and data)}
+        container = plain
+    for name in unknown_keys(plain, RunConfig):
+        setting, value = override_of(name)
+        raise ConfigError(unknown_setting(setting, value, setting_names()))
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
+    cfg = OmegaConf.to_object(merged)
+    if model or data:
+        cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
+    check_task(cfg)
+    check_monitor(cfg.trainer, cfg.task)
+    if cfg.task.name in (TaskKind.custom, TaskKind.image_cls) and cfg.task.code_dir is None:
+        import os
+
+        cfg.task.code_dir = os.getcwd()  # (recorded in run.yaml: every rank and node imports from there)
+    return cfg
+
+
+def check_task(cfg: RunConfig) -> None:
+    """A model and datasets by `_target_` go with task=custom, and task=custom needs them; image_cls builds its
+    model by `_target_` and reads images; seq_cls fine-tunes a pretrained model on records."""
+    custom = cfg.task.name is TaskKind.custom
+    if cfg.task.name is TaskKind.image_cls:
+        if not isinstance(cfg.model, TargetModel):
+            raise ConfigError("task=image_cls: the model is built by _target_: use model=resnet, model=vit, or "
+                              "model._target_=<a callable returning an nn.Module>")
+        if isinstance(cfg.data, TargetData) or cfg.data.source is not DataSource.images:
+            raise ConfigError("task=image_cls: reads labelled images: use data=images 'data.files=[<image folder>]'")
+        return
+    if custom and not isinstance(cfg.model, TargetModel):
+        raise ConfigError("task=custom: model._target_ is missing: give the dotted path of a callable that returns "
+                          "an nn.Module, e.g. model._target_=mymodels.build")
+    if custom and not isinstance(cfg.data, TargetData):
+        raise ConfigError("task=custom: data.train._target_ is missing: give the dotted path of a map-style "
+                          "dataset (or a function returning one), e.g. data.train._target_=mydata.build")
+    if not custom and isinstance(cfg.model, TargetModel):
+        raise ConfigError(f"model._target_={cfg.model.target}: a model by _target_ is trained by task=custom; "
+                          "add task=custom")
+    if not custom and isinstance(cfg.data, TargetData):
+        raise ConfigError("data.train._target_: datasets by _target_ are trained by task=custom; add task=custom")
+    if cfg.task.name is TaskKind.seq_cls:
+        if cfg.model.source is not ModelSource.pretrained:
+            raise ConfigError(f"model.source={cfg.model.source.value}: task=seq_cls fine-tunes a pretrained encoder or "
+                              "decoder; use model=hf model.name_or_path=<a model directory or hub id>")
+        if cfg.data.source not in (DataSource.text, DataSource.hf):
+            raise ConfigError(f"data.source={cfg.data.source.value}: task=seq_cls reads labelled records; use "
+                              "data=text 'data.files=[train.jsonl]' (JSONL, CSV, Parquet) or data=hf data.name=...")
+
+
+def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:
+    """The dotted keys of a mapping that `schema` (a dataclass, its fields' dataclasses within) does not have."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    found = []
+    for key, value in (node or {}).items():
+        if key not in fields:
+            found.append(f"{prefix}{key}")
+            continue
+        factory = fields[key].default_factory
+        sub = factory() if factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub) and isinstance(value, dict):
+            found += unknown_keys(value, type(sub), f"{prefix}{key}.")
+    return found
+
+
+def load(path: str) -> RunConfig:
+    from omegaconf import OmegaConf
+
+    return from_container(OmegaConf.load(path))

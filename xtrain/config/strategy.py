@@ -1,0 +1,96 @@
+"""The `strategy` settings: how the model is distributed (DDP, DeepSpeed ZeRO, FSDP)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from xtrain.core.errors import ConfigError
+
+
+class Strategy(Enum):
+    ddp = "ddp"
+    zero1 = "zero1"
+    zero2 = "zero2"
+    zero3 = "zero3"
+    fsdp = "fsdp"
+
+
+class Offload(Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class FsdpSharding(Enum):
+    full_shard = "full_shard"  # params, grads, optimizer states sharded (~ ZeRO-3)
+    shard_grad_op = "shard_grad_op"  # grads and optimizer states sharded (~ ZeRO-2)
+    hybrid_shard = "hybrid_shard"  # full_shard within a node, replicated across nodes
+    no_shard = "no_shard"  # replicated (~ DDP)
+
+
+class StateDictType(Enum):
+    full = "full"
+    sharded = "sharded"
+
+
+@dataclass
+class StrategyConfig:
+    name: Strategy = Strategy.ddp
+    """The distributed strategy; each option of the `strategy` group sets it."""
+    # ZeRO (DeepSpeed) ------------------------------------------------------------------
+    offload_optimizer: Offload = Offload.none
+    """zero1/2/3: where optimizer states live (`cpu`, `nvme`)."""
+    offload_param: Offload = Offload.none
+    """zero3 only: where parameters live between uses."""
+    nvme_path: Optional[str] = None
+    """Directory for `nvme` offload."""
+    deepspeed_config: Optional[str] = None
+    """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
+    # FSDP --------------------------------------------------------------------------------
+    fsdp_version: int = 2
+    """FSDP's implementation: 2 (`fully_shard`, the default) or 1 (FSDP1)."""
+    sharding: FsdpSharding = FsdpSharding.full_shard
+    """FSDP1's sharding strategy (FSDP2 shards fully; see `reshard_after_forward`)."""
+    cpu_offload: bool = False
+    """Parameters (and their gradients, optimizer states) on the CPU between uses."""
+    wrap_layer: Optional[str] = None
+    """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
+    activation_checkpointing: bool = False
+    """Recompute each wrapped block's activations in backward instead of keeping them."""
+    state_dict_type: StateDictType = StateDictType.sharded
+    """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
+    cpu_ram_efficient_loading: bool = True
+    """Pretrained weights are loaded on rank 0 only and broadcast."""
+
+    def __post_init__(self) -> None:
+        zero = self.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3)
+        if not zero:
+            for key in ("offload_optimizer", "offload_param"):
+                if getattr(self, key) is not Offload.none:
+                    raise ConfigError(
+                        f"strategy.{key}={getattr(self, key).value}: only for strategy=zero1|zero2|zero3"
+                        + ("; with fsdp use strategy.cpu_offload=true" if self.name is Strategy.fsdp else "")
+                    )
+            if self.deepspeed_config:
+                raise ConfigError(
+                    f"strategy.deepspeed_config={self.deepspeed_config}: only for strategy=zero1|zero2|zero3"
+                )
+        if self.offload_param is not Offload.none and self.name is not Strategy.zero3:
+            raise ConfigError(f"strategy.offload_param={self.offload_param.value}: needs strategy=zero3")
+        if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
+        if self.name is not Strategy.fsdp:
+            for key in ("cpu_offload", "activation_checkpointing"):
+                if getattr(self, key):
+                    raise ConfigError(f"strategy.{key}=true: only for strategy=fsdp")
+        if self.fsdp_version not in (1, 2):
+            raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")
+        if self.name is Strategy.fsdp and self.fsdp_version == 2 and self.sharding is not FsdpSharding.full_shard:
+            raise ConfigError(
+                f"strategy.sharding={self.sharding.value}: FSDP2 shards fully (use strategy.reshard_after_forward=false "
+                "for shard_grad_op behaviour); other sharding strategies need strategy.fsdp_version=1"
+            )

@@ -1,0 +1,227 @@
+"""The run-dir contract: the files a run and a sweep leave behind, and the one way to write `result.json`.
+
+A run dir:
+
+| file | what | written by |
+| --- | --- | --- |
+| `run.yaml` | the resolved, typed run config (what the workers read) | `prepare`, before anything runs |
+| `metrics.jsonl` | one JSON object per logged train step and per eval | the trainer (tracking.py) |
+| `result.json` | how the run stands or ended (`Result`, `Status`) | `update_result` only |
+| `checkpoints/` | Accelerate states, newest last (checkpoint.py) | the trainer |
+| `model/` | the final model, loadable by transformers | the task's export |
+| `logs/` | torchrun's and SLURM's output; `logs/errors/rank<R>.json`: a failed rank's own error | launchers, workers |
+| `slurm.json` | the SLURM job that runs it (cluster=slurm) | the SLURM backend |
+
+A sweep dir is a run dir of run dirs: `sweep.json` lists its points (`Point`), each a run dir below it,
+and the summary files (summary.py) are derived from those alone.
+
+Every file is replaced atomically (files.py), so an interrupted run never leaves a half-written one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Callable, TypedDict
+
+from xtrain.core.files import write_atomic
+
+RUN_CONFIG = "run.yaml"
+METRICS = "metrics.jsonl"
+RESULT = "result.json"
+MODEL = "model"
+LOGS = "logs"
+ERRORS_DIR = Path(LOGS) / "errors"
+SLURM_FILE = "slurm.json"
+SWEEP_FILE = "sweep.json"
+WORKERS = "workers"  # a study's SLURM workers' own dirs, in its sweep dir
+WORKER_TRIAL = "current.json"  # in a worker's dir: its SLURM array and the trial it runs
+
+
+CHECKPOINTS = "checkpoints"  # step_XXXXXXXX dirs (checkpoint.py writes them)
+CHECKPOINT_STATE = "xtrain_state.json"  # written last into a checkpoint: a dir without it is not one
+CHECKPOINT_NAME = re.compile(r"^step_(\d{8})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if CHECKPOINT_NAME.match(p.name) and (p / CHECKPOINT_STATE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+class Status(str, Enum):
+    """`result.json`'s `status`: every value any writer may record."""
+
+    running = "running"  # training started (or an attempt resumed) and has not ended
+    completed = "completed"  # trained `trainer.max_steps` steps and saved `model/`
+    failed = "failed"  # an error ended it (`error` says which); it can be resumed from its checkpoints
+    interrupted = "interrupted"  # stopped: on request at a step boundary with a checkpoint (`stop`), or at once
+    requeued = "requeued"  # stopped with a checkpoint; its SLURM job was requeued and will resume it
+    pruned = "pruned"  # a study's trial its pruner stopped at a step boundary, with a checkpoint (engine/pruning.py)
+    cancelled = "cancelled"  # its SLURM job was cancelled before the run could record an end
+    timeout = "timeout"  # its SLURM job reached its time limit before the run could record an end
+
+
+PENDING = "pending"  # what readers show for a run dir without result.json: written, not started
+ENDED = {Status.completed, Status.failed, Status.interrupted, Status.cancelled, Status.timeout, Status.pruned}
+
+
+class Result(TypedDict, total=False):
+    """The fields of `result.json` that tools read (the trainer records more: throughput, memory, hosts)."""
+
+    status: Status
+    error: str  # one line: why it failed or stopped
+    steps: int  # optimizer steps done
+    max_steps: int
+    train_loss: float
+    val_loss: float
+    val_ppl: float
+    initial_val_loss: float
+    tokens_per_s: float
+    world_size: int
+    wall_time_s: float
+    stop: dict  # a stop at a step boundary: {"signal", "at", "step"}
+    restarts: list  # one entry per resume in this run dir (requeue or resume=auto): `continued`
+    steps_lost: int  # logged steps trained again after those restarts
+    slurm_state: str  # the SLURM job's end state, where it says more than `status`
+
+
+def read_result(run_dir: Path) -> dict:
+    """result.json, or {} before it is written."""
+    try:
+        return json.loads((Path(run_dir) / RESULT).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path):
+    """Writers of one run's result.json on this machine take turns (the read-merge-write is one step)."""
+    fd = os.open(run_dir, os.O_RDONLY)  # the lock is on the directory itself: no file of its own
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: still atomic, last writer wins
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def update_result(run_dir: Path, changes: dict, *, fresh: bool = False,
+                  only_if: Callable[[dict], bool] | None = None) -> dict:
+    """Merge `changes` into result.json (`fresh`: replace it), atomically; returns what is recorded.
+    `only_if(current)`: change nothing unless it holds for what is recorded now."""
+    status = changes.get("status")
+    assert status is None or status in Status._value2member_map_, f"not a result status: {status!r}"
+    with _locked(run_dir):
+        current = read_result(run_dir)
+        if only_if is not None and not only_if(current):
+            return current
+        merged = {**({} if fresh else current), **changes}
+        write_atomic(Path(run_dir) / RESULT, json.dumps(merged, indent=2) + "\n")
+        return merged
+
+
+def record_end(run_dir: Path, status: str, error: str, started_only: bool = False) -> None:
+    """How a run ended, in result.json, unless its trainer recorded an end already. `started_only`: only
+    for a run whose training had started (its result.json exists): a run that failed before can reuse its dir."""
+    if started_only and not (Path(run_dir) / RESULT).exists():
+        return
+    update_result(run_dir, {"status": Status(status).value, "error": error},
+                  only_if=lambda r: r.get("status") in (None, Status.running.value))
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Training started here (a run that failed before its first step can be run again)."""
+    return (run_dir / RESULT).exists() or bool(complete_checkpoints(run_dir))
+
+
+def keep_metrics_until(run_dir: Path, step: int) -> int:
+    """On resume: drop rows a killed run logged after the checkpoint it resumes from; the last step logged."""
+    path = run_dir / METRICS
+    if not path.exists():
+        return 0
+    rows, last = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a kill
+            continue
+        last = max(last, row.get("step") or 0)
+        if row.get("step", 0) <= step:
+            rows.append(line)
+    write_atomic(path, "".join(f"{r}\n" for r in rows))
+    return last
+
+
+def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None) -> dict:
+    """What a run resumed in its own run dir carries over from the attempt before: its restarts, one more.
+    Steps lost: those trained after the checkpoint resumed from (as far as metrics.jsonl shows them)."""
+    before = read_result(run_dir)
+    stop = before.get("stop") or {}
+    restart = {
+        "at_step": step,
+        "steps_lost": max(0, last_logged - step),
+        "ended": before.get("status", "unknown"),  # `running`: killed without a chance to record anything
+        "reason": before.get("error") or "killed without warning (no stop signal reached it)",
+        "stopped_at": stop.get("at"),
+        "resumed_at": time.time(),
+    }
+    if changed:  # settings that differ from the checkpoint's: {setting: [old, new]}
+        restart["changed"] = changed
+    if os.environ.get("SLURM_JOB_ID"):  # a sweep's point: <array job>_<task>, as slurm.json has it
+        array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+        restart["slurm_job"] = "_".join(array) if all(array) else os.environ["SLURM_JOB_ID"]
+        restart["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    restarts = [*before.get("restarts", []), restart]
+    carried = {key: before[key] for key in ("initial_val_loss",) if key in before}
+    return {**carried, "restarts": restarts, "steps_lost": sum(r["steps_lost"] for r in restarts)}
+
+
+def first_rank_error(run_dir: Path) -> dict | None:
+    """The error of the rank that failed first (`logs/errors/rank<R>.json`), not one a failure ended."""
+    errors = []
+    for path in (Path(run_dir) / ERRORS_DIR).glob("rank*.json"):
+        try:
+            errors.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    root = [e for e in errors if not e["terminated"]] or errors
+    return min(root, key=lambda e: e["time"]) if root else None
+
+
+# ---------------------------------------------------------------- a sweep dir
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP_FILE).is_file()
+
+
+def sweep_points(sweep_dir: Path) -> list[dict]:
+    """sweep.json's entries: {"num", "dir" (the point's run dir, relative), "overrides" (the swept ones)}."""
+    return json.loads((Path(sweep_dir) / SWEEP_FILE).read_text())["points"]
+
+
+def add_sweep_points(sweep_dir: Path, points: list) -> None:
+    """Record points in sweep.json; a sweeper may launch its points in several batches: they join earlier ones."""
+    known = {e["num"]: e for e in (sweep_points(sweep_dir) if is_sweep_dir(sweep_dir) else [])}
+    known.update({p.num: {"num": p.num, "dir": p.path.name, "overrides": p.swept} for p in points})
+    write_atomic(Path(sweep_dir) / SWEEP_FILE, json.dumps({"points": [known[n] for n in sorted(known)]}, indent=2) + "\n")

@@ -1,0 +1,83 @@
+"""Test seams: the GPU-only paths (ZeRO, FSDP2, fp16 loss scaling) run on a CPU, so CI executes them.
+
+Each is switched on by an environment variable that tests set, and honoured only where there is no
+CUDA GPU (on a GPU the real path runs). None is a user option: Accelerate does not support these
+paths on a CPU, and preflight (launch/hardware.py) refuses them to users with one line.
+
+| variable | what runs on the CPU |
+| --- | --- |
+| `XTRAIN_TEST_ZERO_ON_CPU=1` | ZeRO through DeepSpeed's own CPU accelerator (gloo) |
+| `XTRAIN_TEST_FSDP_ON_CPU=1` | FSDP2 over gloo, the process group presented to Accelerate as an accelerator's |
+| `XTRAIN_TEST_FP16_ON_CPU=1` | fp16 autocast with a loss scaler (DDP), so the skipped-step path runs |
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from xtrain.config.schema import Precision, RunConfig, Strategy
+
+ZERO_ON_CPU_ENV = "XTRAIN_TEST_ZERO_ON_CPU"
+FSDP_ON_CPU_ENV = "XTRAIN_TEST_FSDP_ON_CPU"
+FP16_ON_CPU_ENV = "XTRAIN_TEST_FP16_ON_CPU"
+
+
+def _switched_on(env: str) -> bool:
+    import torch
+
+    return os.environ.get(env) == "1" and not torch.cuda.is_available()
+
+
+def zero_on_cpu(cfg: RunConfig) -> bool:
+    """ZeRO through DeepSpeed's CPU accelerator (slow; Accelerate does not support it)."""
+    return cfg.strategy.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3) and _switched_on(ZERO_ON_CPU_ENV)
+
+
+def fsdp_on_cpu(cfg: RunConfig) -> bool:
+    """FSDP over gloo: Accelerate takes its FSDP branch only for accelerator process groups (`present_cpu_as_accelerator`)."""
+    return cfg.strategy.name is Strategy.fsdp and _switched_on(FSDP_ON_CPU_ENV)
+
+
+def fp16_on_cpu(cfg: RunConfig) -> bool:
+    """fp16 autocast and a loss scaler on CPU (DDP): Accelerate runs fp16 only on accelerators (on CPU it trains fp32)."""
+    return cfg.precision.name is Precision.fp16 and cfg.strategy.name is Strategy.ddp and _switched_on(FP16_ON_CPU_ENV)
+
+
+def present_cpu_as_accelerator(fsdp_plugin, timeout: timedelta) -> None:
+    """FSDP seam, before the Accelerator exists: the gloo group a CPU run gets, presented as an accelerator
+    group. FSDP2 runs over gloo as it is; the one other difference from a GPU run is unpinned host memory
+    for cpu_offload (pinning needs a GPU)."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    PartialState(cpu=True, timeout=timeout, backend="gloo")
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy):  # strategy.cpu_offload=true (else OffloadPolicy())
+        fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+
+
+def accept_torch_adamw_offloaded(deepspeed_plugin) -> None:
+    """ZeRO seam with strategy.offload_optimizer: torch's AdamW steps on the host copy (DeepSpeedCPUAdam, the
+    GPU path's optimizer, would be compiled on first use, minutes on this CPU). DeepSpeed refuses a client
+    optimizer under offload unless told."""
+    deepspeed_plugin.deepspeed_config["zero_force_ds_cpu_optimizer"] = False
+
+
+def skip_the_shared_memory_all_reduce() -> None:
+    """ZeRO seam, before DeepSpeed sets up its process group: no shared-memory all-reduce op. DeepSpeed's CPU
+    accelerator compiles it on first use and takes a lock file for every later load; a rank killed while holding
+    it leaves the file, and every DeepSpeed run after waits for it forever. gloo's all-reduce serves instead."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def scale_fp16_losses(accelerator) -> None:
+    """fp16 seam, after the Accelerator exists: what Accelerate sets up for fp16 on a GPU, on the CPU. The
+    scale starts high enough that the first steps overflow for real, so the skip path runs."""
+    import torch
+
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)

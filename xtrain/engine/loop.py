@@ -1,0 +1,438 @@
+"""The training loop: one Accelerate loop over a run dir's resolved config.
+
+`train(run_dir)` reads `run.yaml` (never composes config), builds the Accelerator (accelerator.py),
+the task's model and data (tasks/), the optimizer and schedule, resumes if asked, trains for
+`trainer.max_steps` optimizer steps with periodic logging, evaluation and checkpoints, and has the task
+export the final model. Every rank runs this same function. What a batch means (its loss, its tokens,
+the eval) is the task's: the loop knows nothing of causal LMs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from xtrain.config import schema
+from xtrain.config.schema import Export, Precision, RunConfig, Strategy
+from xtrain.core import machine, memory, rundir, stopping
+from xtrain.core.errors import ConfigError, Diverged
+from xtrain.core.files import replace_dir
+from xtrain.core.rundir import Status
+from xtrain.distributed import compiling, meta_init, plugins
+from xtrain.distributed.estimate import model_state_memory
+from xtrain.engine import checkpoint, evaluation, pruning, reporting, resume, sampler, tracking
+from xtrain.engine.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
+from xtrain.engine.monitor import EARLY_STOP, Monitor
+from xtrain.engine.optim import build_optimizer, lr_factor, set_hyperparameters
+from xtrain.tasks.base import Task
+from xtrain.tasks.facts import model_facts
+from xtrain.tasks.registry import task_for
+
+log = logging.getLogger("xtrain")
+
+# A multi-process run's objects that hold its process group (the DDP reducer, DeepSpeed's engine), kept until its
+# worker process ends with os._exit, never torn down: a gloo group destroyed from the main thread while one of the
+# group's own threads still disposes of the last collective's work deadlocks (that thread waits for the GIL, the main
+# thread holds it and waits for the group's lock). Seen under load: a rank that had saved its stop never exited.
+_HELD_UNTIL_EXIT: list = []
+
+
+@dataclass
+class Components:
+    """Everything the loop needs, already passed through `accelerator.prepare`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    val_loader: DataLoader
+    task: Task
+    n_params: int
+    n_trainable: int | None  # where not every parameter trains (LoRA)
+    n_train: int
+    n_val: int
+    unit: str  # what one example is, for the log line: "blocks of 128 tokens"
+    pruning: pruning.Pruning | None = None  # where the run is a study's trial
+
+
+@dataclass
+class Progress:
+    """The loop's counters; `tokens_seen` and `skipped` travel in checkpoints."""
+
+    step: int
+    tokens_seen: int
+    skipped: int  # optimizer steps the fp16 loss scaler skipped
+    window: reporting.Window = field(default_factory=reporting.Window)
+    last_finite: tuple[int, float] | None = None
+    pruned: bool = False  # a study's pruner asked this trial to stop
+    best: dict = field(default_factory=dict)  # best_val_<metric> so far (travels in checkpoints)
+    monitor: Monitor | None = None  # trainer.monitor's best so far (travels in checkpoints)
+    early_stop: bool = False  # trainer.early_stop_patience evals without improvement
+
+
+def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
+    t = cfg.trainer
+    built = task.build(accelerator)
+    model, train_set, val_set = built.model, built.train_set, built.val_set
+    if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
+        model = meta_init.shard(accelerator, model)
+    if cfg.trainer.compile and cfg.strategy.name is Strategy.ddp:  # (the others compile in `prepare`)
+        compiling.compile_blocks(model)
+    model.train()
+    optimizer = build_optimizer(model, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
+    # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
+    train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(t.seed), collate_fn=built.collate)
+    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed),
+                            collate_fn=built.collate)
+    if len(train_loader) == 0:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training {built.unit}; "
+            "use a smaller batch"
+        )
+    counts = {p.requires_grad: 0 for p in model.parameters()}
+    for p in model.parameters():
+        counts[p.requires_grad] += getattr(p, "ds_numel", p.numel())  # ZeRO-3 leaves numel() 0
+    n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, scheduler
+    )
+    sampler.lean(train_loader)  # the same order, without a Python list of every epoch
+    return Components(
+        model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
+        task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
+    )
+
+
+def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, cfg: RunConfig,
+            c: Components) -> tuple[Progress, int, dict]:
+    """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, on the main process the
+    last step logged before the cut, and the settings that changed since the checkpoint (preflight allowed them;
+    the optimizer's and the schedule's take effect here)."""
+    progress, last_logged, changed = Progress(step=0, tokens_seen=0, skipped=0, monitor=Monitor.of(cfg.trainer)), 0, {}
+    if resume_from is not None:
+        checkpoint.load(accelerator, resume_from, only_trainable=cfg.model.lora.enabled)
+        state = checkpoint.read_state(resume_from)
+        window = state.get("log_window", {})  # a stop between two log lines: the next one covers both parts
+        progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
+                            skipped=state.get("skipped_steps", 0),
+                            window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
+                            best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, state.get("monitor")))
+        found = resume.changes(state["config"], schema.to_container(cfg)) if "config" in state else []
+        if any(change.key in resume.APPLICABLE for change in found):
+            set_hyperparameters(c.optimizer, c.scheduler, cfg)
+            log.info("resumed with new settings: %s", ", ".join(str(change) for change in found if change.trains))
+        changed = resume.record(found)
+    if accelerator.is_main_process:
+        if progress.step:
+            last_logged = rundir.keep_metrics_until(run_dir, progress.step)
+        else:
+            (run_dir / rundir.METRICS).unlink(missing_ok=True)
+    accelerator.wait_for_everyone()
+    return progress, last_logged, changed
+
+
+def resume_setting(cfg: RunConfig, run_dir: Path) -> str:
+    """`resume` as run.yaml has it, except in a requeued SLURM job: that continues its own newest checkpoint."""
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    return "auto" if restarted and checkpoint.newest(run_dir) is not None else cfg.resume
+
+
+def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume_from: Path | None,
+                 start_step: int, n_params_meta: int) -> dict:
+    """result.json as the loop starts (status `running`), and the run's header line."""
+    t, world = cfg.trainer, accelerator.num_processes
+    trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
+    log.info(
+        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d %s",
+        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world, accelerator.distributed_type.value,
+        t.batch_size * t.grad_accum * world, "sequences" if c.task.throughput_unit == "tokens" else "examples",
+    )
+    if resume_from is not None:
+        log.info("resumed from %s at step %d", resume_from, start_step)
+    result = {
+        "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
+        "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
+        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable).total,
+        "trainable_parameters": c.n_trainable or c.n_params,
+    }
+    # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
+    own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores())
+    every = [own] * world
+    if world > 1:
+        torch.distributed.all_gather_object(every, own)
+    result["hosts"], result["cpu_threads"], result["cpu_cores"] = (list(column) for column in zip(*every))
+    if accelerator.distributed_type is DistributedType.FSDP:
+        result["fsdp_units"] = fsdp_units(c.model)
+    if cfg.trainer.compile:
+        result["compiled_regions"] = compiling.compiled_regions(c.model)
+    if world > 1:
+        result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        result["backend"] = torch.distributed.get_backend()  # nccl on GPUs, gloo on CPUs
+    return result
+
+
+def train(run_dir: str | Path) -> dict:
+    with library_notes_quieted():
+        return _train(Path(run_dir))
+
+
+def _train(run_dir: Path) -> dict:
+    cfg = schema.load(str(run_dir / rundir.RUN_CONFIG))
+    t = cfg.trainer
+    # from the driver's start when it launched this worker, else from this process's start
+    process_start = machine.launch_time()
+    machine.name_deepspeed_accelerator()
+    memory.reset_peaks()
+
+    n_params_meta, facts = model_facts(cfg)
+    accelerator = build_accelerator(cfg, run_dir, facts)
+    check_setup(cfg, accelerator.distributed_type, accelerator.num_processes)
+    # preflight (hardware.check) refuses what Accelerate would silently run in fp32
+    assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg), "no autocast"
+    set_seed(t.seed)
+    resume_from = checkpoint.resolve(resume_setting(cfg, run_dir), run_dir, checkpoint.identity(cfg))
+    if accelerator.is_main_process:
+        checkpoint.remove_partial(run_dir)
+    c = build_components(cfg, accelerator, task_for(cfg))
+    c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process)
+    model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
+
+    progress, last_logged, changed = restore(accelerator, resume_from, run_dir, cfg, c)
+    start_step = progress.step
+    accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
+                              init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
+    result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
+    result["peak_rss_model_ready_bytes"] = model_ready
+    result.update(progress.best, monitor=progress.monitor.state())
+    if t.export is Export.best and progress.monitor.best_step is not None:  # model/ holds that eval's model
+        result["model_step"] = progress.monitor.best_step
+    if accelerator.is_main_process:
+        if resume_from is not None and resume_from.parent == rundir.checkpoints_dir(run_dir):
+            result.update(rundir.continued(run_dir, start_step, last_logged, changed))
+        elif changed:  # resumed from another run's checkpoint
+            result["changed_from_checkpoint"] = changed
+        rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
+
+    train_start, tokens_at_start = time.time(), progress.tokens_seen
+    if start_step == 0:
+        result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
+        judge(accelerator, cfg, c, progress, result, run_dir)
+    batches = _recording_first_batch(
+        sampler.micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
+    )
+    bar = tqdm(
+        total=t.max_steps, initial=start_step, desc="train", mininterval=1.0, dynamic_ncols=True,
+        disable=not (accelerator.is_main_process and sys.stderr.isatty()),  # log files get the log lines only
+    )
+    try:
+        with logging_redirect_tqdm():
+            stop = run_steps(accelerator, cfg, c, batches, progress, result, run_dir, bar, process_start)
+        wall = time.time() - train_start
+        if (stop is None or stop["signal"] == EARLY_STOP) and t.export is Export.last:
+            save_model(accelerator, c, run_dir)
+            result["model_step"] = progress.step
+    except BaseException as err:
+        result["status"] = Status.interrupted if isinstance(err, KeyboardInterrupt) else Status.failed
+        result["error"] = f"{type(err).__name__}: {err}"
+        if accelerator.is_main_process:
+            rundir.update_result(run_dir, result)
+        raise
+    finally:
+        bar.close()
+
+    result.update(memory.peaks(accelerator))
+    accelerator.end_training()  # destroys the process group: no collective after it
+    if accelerator.num_processes > 1:
+        _HELD_UNTIL_EXIT.append((accelerator, c))
+    return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
+                  c.task.throughput_unit, process_start, wall)
+
+
+def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
+           per_s: float, c_unit: str, process_start: float, wall: float) -> dict:
+    """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
+    pruned = stop is not None and stop["signal"] == pruning.PRUNER
+    early = stop is not None and stop["signal"] == EARLY_STOP
+    result.update(
+        status=Status.completed if stop is None or early else Status.pruned if pruned else Status.interrupted,
+        **{f"{c_unit}_per_s": per_s},
+        wall_time_s=round(time.time() - process_start, 3),
+        train_time_s=round(wall, 3),
+    )
+    if early:
+        result["early_stop"] = {"step": stop["step"], "patience": cfg.trainer.early_stop_patience,
+                                "best_step": result["monitor"]["best_step"]}
+    elif pruned:
+        result.update(stop=stop, error=f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved")
+    elif stop is not None:
+        result.update(stop=stop, error=f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved")
+    if accelerator.is_main_process:
+        rundir.update_result(run_dir, result)
+        if stop is None or early:
+            log.info("done: %d steps | %s | %.0f %s/s | %s", result["steps"], reporting.eval_text(result, final=True), per_s,
+                     c_unit, run_dir)
+    return result
+
+
+def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, p: Progress, result: dict,
+              run_dir: Path, bar, process_start: float) -> dict | None:
+    """Optimizer steps up to `max_steps`, with logs, evals and checkpoints. A stop request (any rank's)
+    ends them at the step boundary, with a checkpoint of that step: returns the request."""
+    t = cfg.trainer
+    for step in range(p.step + 1, t.max_steps + 1):
+        loss_sum, tokens = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+        loss, per_step, stop = agree_on_step(accelerator, loss_sum, tokens, t.grad_accum, step, p.last_finite, cfg)
+        p.step, p.last_finite = step, (step, loss)
+        p.skipped += accelerator.optimizer_step_was_skipped
+        p.window.loss_sum += loss
+        p.window.steps += 1
+        p.window.tokens += per_step
+        p.tokens_seen += per_step
+        bar.update(1)
+        if "time_to_first_step_s" not in result:
+            note_first_step(result, process_start)
+        saved = periodic(accelerator, cfg, c, p, result, run_dir, bar)
+        result["steps"], result["skipped_steps"] = step, p.skipped
+        if (stop or p.pruned or p.early_stop) and step < t.max_steps:
+            if not saved:
+                save_checkpoint(accelerator, cfg, run_dir, p)
+            request = stopping.requested() or {"signal": "a stop request on another rank", "at": time.time()}
+            if p.pruned and not stop:
+                request = {"signal": pruning.PRUNER, "at": time.time()}
+            elif p.early_stop and not stop:
+                request = {"signal": EARLY_STOP, "at": time.time()}
+            log.info("step %d | stopped by %s: checkpoint saved", step, request["signal"])
+            return {**request, "step": step}
+    return None
+
+
+def note_first_step(result: dict, process_start: float) -> None:
+    now = time.time()
+    result["time_to_first_step_s"] = round(now - process_start, 3)
+    result["first_step_at"] = now
+    restart = (result.get("restarts") or [{}])[-1]
+    if restart.get("stopped_at") and "down_s" not in restart:  # from the stop to this step, across the restart
+        restart["down_s"] = round(now - restart["stopped_at"], 3)
+
+
+def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
+             bar) -> bool:
+    """This step's log line, eval and checkpoint, where due; True if a checkpoint was saved."""
+    t, step = cfg.trainer, p.step
+    last = step == t.max_steps
+    if step % t.log_every == 0 or last:
+        result["train_loss"] = reporting.log_train(accelerator, p.window, step, c.scheduler, p.tokens_seen, p.skipped,
+                                                   c.task.throughput_unit)
+        bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
+        p.window = reporting.Window()
+    if step % t.eval_every == 0 or last:
+        result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
+        p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
+        judge(accelerator, cfg, c, p, result, run_dir, last)
+        p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
+    if step % t.save_every == 0 or last:
+        save_checkpoint(accelerator, cfg, run_dir, p)
+        return True
+    return False
+
+
+def judge(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
+          last: bool = False) -> None:
+    """After an eval: `trainer.monitor`'s verdict; `export=best` exports the model where it improved."""
+    improved, p.early_stop = p.monitor.judge(accelerator, p.step, result, cfg.trainer)
+    p.early_stop = p.early_stop and not last
+    result["monitor"] = p.monitor.state()
+    if improved and cfg.trainer.export is Export.best:
+        save_model(accelerator, c, run_dir)
+        result["model_step"] = p.step
+
+
+def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
+    window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
+    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
+             "monitor": p.monitor.state(),
+             **checkpoint.identity(cfg),
+             "config": schema.to_container(cfg)}  # what it was trained with: a resume with other settings says so
+    checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
+
+
+def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
+    """One optimizer step over `grad_accum` micro-batches; returns their summed loss and this rank's tokens.
+    The schedule counts optimizer steps taken: a step the loss scaler skipped (fp16 overflow) does not advance it."""
+    loss_sum, tokens = torch.zeros((), device=accelerator.device), 0
+    for _ in range(grad_accum):
+        batch = next(batches)
+        tokens += c.task.tokens(batch)
+        with accelerator.accumulate(c.model):
+            loss = c.task.loss(c.model, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and max_grad_norm > 0:
+                accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
+            c.optimizer.step()
+            c.optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach()
+    if not accelerator.optimizer_step_was_skipped:
+        c.scheduler.step()
+    return loss_sum, tokens
+
+
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, tokens: int, grad_accum: int, step: int,
+                  last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, int, bool]:
+    """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
+    the tokens every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
+    every rank alike (all see the mean)."""
+    asked = float(stopping.requested() is not None)
+    if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
+        mean_loss_sum, stop, mean_tokens = loss_sum.item(), asked, tokens
+    else:
+        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(tokens)], device=loss_sum.device)])
+        mean_loss_sum, stop, mean_tokens = accelerator.reduce(own, "mean").tolist()
+    loss = mean_loss_sum / grad_accum
+    if not math.isfinite(loss):
+        before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
+        raise Diverged(
+            f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
+            f"(now {cfg.trainer.lr:g}) or raise trainer.warmup_steps (now {cfg.trainer.warmup_steps})"
+        )
+    return loss, round(mean_tokens * accelerator.num_processes), stop > 0
+
+
+def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
+    """Record which data each rank got first (the sum of its ids): the shards must differ."""
+    batch = next(batches)
+    ids = sum(value.sum() for value in (batch.values() if isinstance(batch, dict) else batch) if torch.is_tensor(value))
+    result["first_batch_token_sums"] = accelerator.gather(ids.reshape(1)).tolist()
+    yield batch
+    yield from batches
+
+
+def save_model(accelerator: Accelerator, c: Components, run_dir: Path) -> None:
+    """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's (files.replace_dir)."""
+    state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
+    if not accelerator.is_main_process:
+        return
+    tmp = run_dir / f".tmp-{rundir.MODEL}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    c.task.export(accelerator.unwrap_model(c.model), state_dict, tmp)
+    for made in sorted(tmp.iterdir()):
+        replace_dir(made, run_dir / made.name)
+    tmp.rmdir()

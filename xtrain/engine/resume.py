@@ -1,0 +1,91 @@
+"""What a resume may change: run.yaml always says what trains.
+
+Each checkpoint records the config it was trained with (`xtrain_state.json`). Resumed with other settings:
+
+- settings that change only when things happen or where they run (log, eval and save intervals, checkpoints
+  kept, the tracker, timeouts, the SLURM request) are taken and recorded;
+- settings that change what trains are refused in one line that lists each as old -> new; with
+  `resume_changes=apply` the optimizer's and the schedule's (`APPLICABLE`) take effect from the resumed step on
+  (the loop sets them on the restored optimizer), and the restart entry in result.json records them;
+- anything else (the batch, the data, the world size, the model) cannot change within one run: a new run_dir.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xtrain.core.errors import ConfigError
+
+# Settings (a dotted name, or a prefix ending in ".") a resume may change freely: when things happen, where they
+# run, how they are watched. The world size is not among them: cluster.nodes x cluster.num_processes is the batch.
+CADENCE_OR_PLACEMENT = (
+    "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
+    "trainer.sample_prompts", "trainer.sample_max_tokens", "trainer.monitor", "trainer.monitor_direction",
+    "trainer.export", "trainer.early_stop_patience", "trainer.early_stop_min_delta", "tracker.", "task.code_dir", "data.num_proc", "data.cache_dir",
+    "cluster.kind", "cluster.node_rank", "cluster.main_process_ip", "cluster.main_process_port", "cluster.timeout_s",
+    "cluster.gpu_memory_gb", "cluster.gpus_per_node", "cluster.cpus_per_task", "cluster.mem_gb", "cluster.time_limit",
+    "cluster.partition", "cluster.account", "cluster.qos", "cluster.constraint", "cluster.exclude", "cluster.job_name",
+    "cluster.sbatch_args", "cluster.setup", "cluster.srun_args", "cluster.container_image", "cluster.container_mounts",
+    "cluster.container_python", "cluster.wait", "cluster.signal_lead_s", "cluster.max_requeues",
+    "run_dir", "resume", "resume_changes", "dry_run",
+)
+# What `resume_changes=apply` makes take effect: the optimizer's and the schedule's settings
+APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio", "trainer.weight_decay",
+              "trainer.max_grad_norm")
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    old: object
+    new: object
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.old!r} -> {self.new!r}"
+
+    @property
+    def trains(self) -> bool:
+        """It changes what trains (not only when or where)."""
+        return not any(self.key == c or (c.endswith(".") and self.key.startswith(c)) for c in CADENCE_OR_PLACEMENT)
+
+
+def changes(recorded: dict, now: dict, prefix: str = "") -> list[Change]:
+    """Every setting whose value differs between two configs (as plain containers)."""
+    found = []
+    for key in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(key), now.get(key)
+        if isinstance(old, dict) and isinstance(new, dict) and key != "sbatch_args":
+            found += changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            found.append(Change(f"{prefix}{key}", old, new))
+    return found
+
+
+def refusal(found: list[Change], mode: str, what: str) -> str | None:
+    """Why a resume with these changes cannot go on (`what`: where it resumes), or None."""
+    trained = [c for c in found if c.trains]
+    if not trained:
+        return None
+    listed = ", ".join(map(str, trained))
+    fixed = [c for c in trained if c.key not in APPLICABLE]
+    if fixed:
+        return (f"{what} was trained with other settings: {listed}; {', '.join(c.key for c in fixed)} cannot change "
+                "within a run: resume with the settings it was started with, or start a new run_dir")
+    if mode == "apply":
+        return None
+    return (f"{what} was trained with other settings: {listed}; resume with the settings it was started with, or "
+            "add resume_changes=apply to train on with the new ones from the resumed step")
+
+
+def record(found: list[Change]) -> dict:
+    """The changes as result.json records them: {setting: [old, new]} (not the resume's own settings)."""
+    return {c.key: [c.old, c.new] for c in found if c.key not in ("run_dir", "resume", "resume_changes", "dry_run")}
+
+
+def check(mode: str, recorded: dict | None, now: dict, what: str) -> list[Change]:
+    """The changes a resume takes (a ConfigError where it must not); `recorded`: the checkpoint's config."""
+    found = changes(recorded, now) if recorded is not None else []
+    reason = refusal(found, mode, what)
+    if reason:
+        raise ConfigError(reason)
+    return found

@@ -1,0 +1,118 @@
+"""What this machine can run: checked before launch, so a request is never silently downgraded.
+
+Accelerate 1.15 runs FSDP and DeepSpeed only on accelerators: on a CPU it silently wraps
+an FSDP model in DDP, and DeepSpeed fails on a batch-size assertion. fp16 on a CPU is
+silently fp32. xtrain refuses each of these before anything starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+from dataclasses import replace
+
+from xtrain.config.cluster import ClusterKind
+from xtrain.config.schema import BaseQuantization, Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.core import machine
+from xtrain.core.errors import ConfigError
+from xtrain.distributed.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
+
+FP8_PACKAGES = {
+    Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
+    Fp8Backend.torchao: ("torchao", "pip install torchao"),
+    Fp8Backend.msamp: ("msamp", "see github.com/Azure/MS-AMP"),
+}
+
+
+def submitting_to_slurm(cfg: RunConfig) -> bool:
+    """This process submits the run to SLURM: its nodes, not this machine, are what must run it. (A process
+    inside someone's allocation, an salloc shell or a batch job, submits too: only xtrain marks its nodes.)"""
+    return cfg.cluster.kind is ClusterKind.slurm and os.environ.get(machine.NODE_SIDE) != "1"
+
+
+def node_gpus(cfg: RunConfig) -> int:
+    """GPUs of a node that runs the workers: the ones SLURM is asked for, or the ones visible here."""
+    return cfg.cluster.gpus if submitting_to_slurm(cfg) else machine.visible_gpus()
+
+
+def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
+    """`cluster.num_processes=auto` → one per GPU of a node (of its share, where `parallel` runs share this
+    machine's GPUs: a sweep's points at once), else 1; written resolved into run.yaml."""
+    if cfg.cluster.num_processes != "auto":
+        return cfg
+    cluster = replace(cfg.cluster, num_processes=str(max(1, node_gpus(cfg) // max(1, parallel))))
+    return replace(cfg, cluster=cluster)
+
+
+def refusal(cfg: RunConfig) -> str | None:
+    """Why this machine cannot run the request, or None."""
+    if submitting_to_slurm(cfg):  # the nodes' GPUs are checked on the nodes, before their workers start
+        cuda = cfg.cluster.gpus > 0
+        if cuda:
+            return None
+    else:
+        cuda = bool(machine.gpus())
+        if cfg.cluster.kind is ClusterKind.slurm and cfg.cluster.gpus > len(machine.gpus()):
+            return (
+                f"cluster.gpus_per_node={cfg.cluster.gpus}: the job was given GPUs on {socket.gethostname()} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}), and CUDA sees "
+                f"{len(machine.gpus())} of them there; check the node's driver and the job's GPU binding, "
+                "or ask for none (cluster.gpus_per_node=0: train on the nodes' CPUs)"
+            )
+    strategy, precision = cfg.strategy.name, cfg.precision.name
+    if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg) and not fsdp_on_cpu(cfg):
+        kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"
+        return (
+            f"strategy={strategy.value}: {kind} needs CUDA GPUs and this machine has none (Accelerate would "
+            f"{'silently train plain DDP' if strategy is Strategy.fsdp else 'fail inside DeepSpeed'}); "
+            "use strategy=ddp here, or run on GPU machines (dry_run=true shows the plan anywhere)"
+        )
+    if cfg.model.lora.quantize_base is not BaseQuantization.none and not cuda:
+        return (
+            f"model.lora.quantize_base={cfg.model.lora.quantize_base.value}: QLoRA's 4-bit base needs a CUDA GPU "
+            "(bitsandbytes kernels) and this machine has none; use model.lora.quantize_base=none (LoRA on the "
+            "full-precision base)"
+        )
+    if precision is Precision.fp16 and not cuda and not fp16_on_cpu(cfg):
+        return (
+            "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
+            "use precision=bf16 (autocast, fast on CPUs with bf16 units) or precision=fp32"
+        )
+    oldest = min(machine.gpus(), key=lambda g: g.capability) if cuda and machine.gpus() else None
+    if precision is Precision.bf16 and oldest and oldest.capability < (8, 0):
+        return (
+            f"precision=bf16: {oldest.name} (compute capability {oldest.capability[0]}.{oldest.capability[1]}) has "
+            "no bf16 units (needs >= 8.0, e.g. A100, H100; torch would emulate it, slowly); "
+            "use precision=fp16 or precision=fp32"
+        )
+    if precision is Precision.fp8:
+        if not cuda:
+            return "precision=fp8: needs a GPU with FP8 units (compute capability >= 8.9, e.g. H100, L4) and this machine has none; use precision=bf16"
+        if oldest and oldest.capability < (8, 9):
+            return (
+                f"precision=fp8: {oldest.name} (compute capability {oldest.capability[0]}.{oldest.capability[1]}) "
+                "has no FP8 units (needs >= 8.9, e.g. H100, L4); use precision=bf16"
+            )
+        module, install = FP8_PACKAGES[cfg.precision.fp8_backend]
+        if importlib.util.find_spec(module) is None:
+            return (
+                f"precision.fp8_backend={cfg.precision.fp8_backend.value}: {module} is not installed ({install}); "
+                "install it or choose another precision.fp8_backend (te, torchao, msamp)"
+            )
+    variable, names = ("CC", ["gcc", "clang", "cc"]) if cuda else ("CXX", ["g++"])
+    if cfg.trainer.compile and not any(shutil.which(n) for n in ([os.environ[variable]] if os.environ.get(variable) else names)):
+        # inductor builds its kernels: on GPUs Triton's launchers in C, on CPUs C++ source
+        return (
+            f"trainer.compile=true: torch.compile builds its kernels with {os.environ.get(variable) or ' or '.join(names)}"
+            f" ({variable}), which is not on this machine; install a compiler (e.g. apt-get install g++) or use "
+            "trainer.compile=false"
+        )
+    return None
+
+
+def check(cfg: RunConfig) -> None:
+    reason = refusal(cfg)
+    if reason:
+        raise ConfigError(reason)

@@ -1,0 +1,93 @@
+"""The preflight plan: facts derived from a RunConfig before anything starts: topology, batch sizes, the
+plugin settings, and the per-device estimate of model-state memory (estimate.py)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from xtrain.config.schema import RunConfig, Strategy, TargetModel
+from xtrain.distributed import plugins
+from xtrain.distributed.estimate import GB, Memory, first_fit, model_state_memory
+from xtrain.tasks.facts import model_facts
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    n_params: int
+    facts: plugins.ModelFacts
+    memory: Memory
+    device_memory_gb: float | None
+    fit: tuple[str, Memory] | None
+    refusal: str | None
+    plugin_settings: dict
+
+    @property
+    def fits(self) -> bool | None:
+        if self.device_memory_gb is None:
+            return None
+        return self.memory.total <= self.device_memory_gb * GB
+
+
+def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Plan:
+    n_params, facts = model_facts(cfg)
+    if plugins.is_zero(cfg):
+        settings = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+    elif cfg.strategy.name is Strategy.fsdp:
+        settings = plugins.fsdp_settings(cfg, facts)
+    else:
+        settings = {}
+    memory = model_state_memory(n_params, cfg, facts.trainable)
+    device_gb = cfg.cluster.gpu_memory_gb or local_gpu_gb
+    fit = None
+    if device_gb is not None and memory.total > device_gb * GB:
+        fit = first_fit(n_params, cfg, device_gb * GB)
+    return Plan(cfg, n_params, facts, memory, device_gb, fit, refusal, settings)
+
+
+def render(plan: Plan) -> str:
+    cfg, t, c = plan.cfg, plan.cfg.trainer, plan.cfg.cluster
+    effective = t.batch_size * t.grad_accum * c.world_size
+    m = plan.memory
+    lines = [
+        "xtrain plan (dry run: nothing was launched)",
+        f"  topology     {c.nodes} node(s) x {c.processes_per_node} process(es) = world size {c.world_size} "
+        f"(cluster={c.kind.value})",
+        f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
+        + (f"sequences = {effective * cfg.data.block_size} tokens per optimizer step" if hasattr(cfg.data, "block_size")
+           else "examples per optimizer step"),
+        f"  model        {_model_name(cfg)}: {plan.n_params:,} parameters (counted on the meta device)"
+        + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
+           f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
+        f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}",
+        f"  memory       per device, model states only: weights {size(m.params)} + gradients "
+        f"{size(m.grads)} + optimizer {size(m.optimizer)} = {size(m.total)}",
+        "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
+        "fp32 4+4+8; activations not included)",
+    ]
+    if plan.device_memory_gb is None:
+        lines.append("  fits         unknown: set cluster.gpu_memory_gb to check")
+    elif plan.fits:
+        lines.append(f"  fits         yes: {size(m.total)} of {plan.device_memory_gb:g} GB")
+    else:
+        advice = (
+            f"{plan.fit[0]} would ({size(plan.fit[1].total)})" if plan.fit
+            else "no ZeRO stage or offload fits: use more devices (cluster.nodes / cluster.num_processes)"
+        )
+        lines.append(f"  fits         NO: {size(m.total)} > {plan.device_memory_gb:g} GB; {advice}")
+    lines.append(f"  runs here    {'no: ' + plan.refusal if plan.refusal else 'yes'}")
+    if plan.plugin_settings:
+        title = "deepspeed.json" if plugins.is_zero(cfg) else "fsdp plugin"
+        body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
+        lines.append(f"  {title}:\n  {body}")
+    return "\n".join(lines)
+
+
+def size(n_bytes: float) -> str:
+    return f"{n_bytes / GB:.2f} GB" if n_bytes >= 0.1 * GB else f"{n_bytes / 1e6:.1f} MB"
+
+
+def _model_name(cfg: RunConfig) -> str:
+    if isinstance(cfg.model, TargetModel):
+        return f"{cfg.model.target} (by _target_)"
+    return cfg.model.name_or_path if cfg.model.name_or_path else f"{cfg.model.arch.value} (built from config)"

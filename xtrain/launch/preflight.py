@@ -1,0 +1,212 @@
+"""From a validated RunConfig to a written run dir: preflight checks, then `run.yaml` and its exports.
+
+Every backend (backends/local.py, backends/slurm.py), the sweep and the CLI come through here: the
+driver checks everything it can before anything starts, creates the run dir and writes `run.yaml`
+(plus the equivalent `accelerate_config.yaml` / `deepspeed.json`); workers only ever read the run dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+from xtrain.config import schema
+from xtrain.config.cluster import ClusterKind
+from xtrain.config.schema import Offload, RunConfig
+from xtrain.core import machine, rundir
+from xtrain.core.errors import ConfigError
+from xtrain.core.files import write_atomic
+from xtrain.distributed import plugins
+from xtrain.engine import checkpoint, resume
+from xtrain.launch import hardware
+from xtrain.tasks.facts import model_facts
+from xtrain.tasks.registry import task_for
+
+log = logging.getLogger("xtrain")
+
+ACCELERATE_CONFIG = "accelerate_config.yaml"
+DEEPSPEED_CONFIG = "deepspeed.json"
+
+
+def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
+    """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts.
+    What only a cluster can tell (partitions, nodes) its backend checks (`check`) before this. `planning` (a dry
+    run): what this machine's hardware cannot run is for the plan to say, not a refusal; every other check holds."""
+    if not planning or hardware.submitting_to_slurm(cfg):  # (a SLURM request's GPUs are the plan's, not this machine's)
+        hardware.check(cfg)
+    c = cfg.cluster
+    if c.kind is ClusterKind.local and c.nodes > 1 and c.main_process_port is None:
+        raise ConfigError(
+            f"cluster.main_process_port is empty: cluster.nodes={c.nodes} needs the same port on every node, "
+            "e.g. cluster.main_process_port=29500"
+        )
+    gpus = hardware.node_gpus(cfg)
+    if gpus and c.processes_per_node > gpus:
+        where = f"cluster.gpus_per_node={gpus}" if hardware.submitting_to_slurm(cfg) else f"this node has {gpus} GPU(s)"
+        raise ConfigError(
+            f"cluster.num_processes={c.num_processes}: {where}; use cluster.num_processes<={gpus} (or auto)"
+        )
+    nvme = cfg.strategy.nvme_path
+    nvme_offloads = [f"strategy.{name}=nvme" for name in ("offload_optimizer", "offload_param")
+                     if getattr(cfg.strategy, name) is Offload.nvme]
+    if nvme_offloads and not os.path.isdir(nvme):
+        raise ConfigError(f"strategy.nvme_path={nvme}: no such directory")
+    if nvme_offloads and not machine.async_io_available():
+        raise ConfigError(
+            f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
+            "install them (apt-get install libaio-dev) or offload to cpu instead"
+        )
+    task_for(cfg).check()
+    _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
+    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
+    if resume_from is not None:
+        state = checkpoint.read_state(resume_from)
+        if state["step"] >= cfg.trainer.max_steps:
+            raise ConfigError(
+                f"resume={cfg.resume}: {resume_from} has already trained {state['step']} steps; "
+                f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps "
+                "(with resume_changes=apply)"
+            )
+        resume.check(cfg.resume_changes, state.get("config"), schema.to_container(cfg), f"resume={cfg.resume}: {resume_from}")
+    elif cfg.resume == "auto":
+        log.info("resume=auto: %s holds no checkpoint; starting fresh", cfg.run_dir)
+    return facts
+
+
+def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Path) -> None:
+    """The same run for plain `accelerate launch --config_file <run dir>/accelerate_config.yaml`."""
+    ds_path = None
+    if plugins.is_zero(cfg):
+        ds_path = path / DEEPSPEED_CONFIG
+        ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+        write_atomic(ds_path, json.dumps(ds, indent=2) + "\n")
+    exported = plugins.accelerate_config(cfg, facts, str(ds_path), cuda=hardware.node_gpus(cfg) > 0)
+    write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(exported))
+
+
+LAUNCH_FILE = "launch.json"  # node 0's token for this launch (cluster=local with several nodes)
+TOKEN_KEY = "xtrain/launch"
+
+
+def _store(cfg: RunConfig, serve: bool):
+    """The rendezvous port's TCP store, for the launch handshake only (torchrun takes the port after it)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    c = cfg.cluster
+    return TCPStore(c.main_process_ip, c.main_process_port, None, serve, timedelta(seconds=c.timeout_s),
+                    wait_for_workers=False)
+
+
+def announce(cfg: RunConfig, path: Path) -> None:
+    """Node 0, its run dir written: a fresh token in it and on the rendezvous port, until every node has it."""
+    token = uuid.uuid4().hex
+    write_atomic(path / LAUNCH_FILE, json.dumps({"token": token, "nodes": cfg.cluster.nodes}) + "\n")
+    store = _store(cfg, serve=True)
+    store.set(TOKEN_KEY, token)
+    deadline = time.time() + cfg.cluster.timeout_s
+    while store.add(f"{TOKEN_KEY}/acks", 0) < cfg.cluster.nodes - 1:
+        if time.time() > deadline:
+            raise ConfigError(
+                f"cluster.nodes={cfg.cluster.nodes}: only {store.add(f'{TOKEN_KEY}/acks', 0) + 1} node(s) came to "
+                f"{cfg.cluster.main_process_ip}:{cfg.cluster.main_process_port} within cluster.timeout_s="
+                f"{cfg.cluster.timeout_s}; start every node with the same cluster.main_process_ip/port"
+            )
+        time.sleep(0.1)
+
+
+def wait_for_run_dir(cfg: RunConfig) -> Path:
+    """Nodes other than 0 use the run dir node 0 writes for this launch (a shared filesystem): they learn its
+    token at the rendezvous port, whichever node started first, and read run.yaml once the token is there."""
+    try:
+        store = _store(cfg, serve=False)
+        token = store.get(TOKEN_KEY).decode()
+    except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError is a RuntimeError
+        raise ConfigError(
+            f"cluster.node_rank={cfg.cluster.node_rank}: node 0 did not answer at {cfg.cluster.main_process_ip}:"
+            f"{cfg.cluster.main_process_port} within cluster.timeout_s={cfg.cluster.timeout_s} "
+            f"({type(err).__name__}); start node 0 with the same cluster.main_process_ip/port"
+        ) from None
+    path = Path(cfg.run_dir)
+    deadline = time.time() + 60  # a shared filesystem may show node 0's files a little later
+    while _token_in(path) != token:
+        if time.time() > deadline:
+            raise ConfigError(
+                f"run_dir={cfg.run_dir}: node 0's run dir for this launch is not there (its {LAUNCH_FILE} holds another "
+                "token, or none); give every node the same run_dir, on a filesystem they share"
+            )
+        time.sleep(0.2)
+    store.add(f"{TOKEN_KEY}/acks", 1)
+    return path
+
+
+def _token_in(path: Path) -> str | None:
+    try:
+        return json.loads((path / LAUNCH_FILE).read_text())["token"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
+def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
+    """After `preflight`: the run dir with run.yaml (node 0), or node 0's run dir once written (other nodes)."""
+    if cfg.cluster.node_rank > 0:
+        return wait_for_run_dir(cfg)
+    path = write_run_dir(cfg, facts)
+    if cfg.cluster.nodes > 1 and cfg.cluster.kind is ClusterKind.local:
+        announce(cfg, path)
+    return path
+
+
+@contextlib.contextmanager
+def taken_back_if_refused(path: Path):
+    """What a launch writes into the run dir `path` is taken back if it is refused (a ConfigError) before anything
+    ran: the entries it added removed, the files it rewrote (run.yaml, the accelerate files) restored, and `path`
+    itself removed where it was not there. Nothing else is touched: a run dir may hold files of the user's."""
+    existed = path.is_dir()
+    before = {p.name for p in path.iterdir()} if existed else set()
+    kept = {name: (path / name).read_bytes() for name in (rundir.RUN_CONFIG, ACCELERATE_CONFIG, DEEPSPEED_CONFIG)
+            if (path / name).is_file()}
+    try:
+        yield
+    except ConfigError:
+        for entry in (path.iterdir() if path.is_dir() else []):
+            if entry.name not in before:
+                shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        for name, content in kept.items():
+            write_atomic(path / name, content)
+        if not existed and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        raise
+
+
+def check_free(cfg: RunConfig) -> None:
+    """Refuse to start over a run that is there already (unless resuming)."""
+    if cfg.resume == "none" and rundir.holds_run(Path(cfg.run_dir)):
+        raise ConfigError(
+            f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"
+        )
+
+
+def create_run_dir(cfg: RunConfig) -> Path:
+    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
+    check_free(cfg)
+    path = Path(cfg.run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    write_atomic(path / rundir.RUN_CONFIG, schema.to_yaml(cfg))
+    return path
+
+
+def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
+    """The run dir with run.yaml and the equivalent accelerate files (after `preflight`)."""
+    path = create_run_dir(cfg)
+    export_accelerate_files(cfg, facts, path)
+    return path

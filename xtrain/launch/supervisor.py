@@ -1,0 +1,259 @@
+"""N worker processes per node through torch's elastic launcher (torchrun), supervised by the driver.
+
+The driver has written the run dir; torchrun starts `python -m xtrain.launch.worker RUN_DIR` per
+local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to
+`logs/launcher-node<R>.log`. If a worker fails, torchrun stops the others and the driver
+shows the failing rank's own error first. SIGINT to the driver stops the whole process tree
+(torchrun first, then anything left, by force after a grace period); SIGTERM / SIGUSR1 / SIGUSR2
+ask the workers to stop at a step boundary with a checkpoint (xtrain/core/stopping.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from xtrain.config.schema import RunConfig
+from xtrain.core import machine, rundir, stopping
+from xtrain.core.errors import ConfigError, LaunchFailed
+from xtrain.core.rundir import ERRORS_DIR
+
+RANK0_PREFIX = "[default0]:"
+GRACE_S = 10
+LINGER_S = 60  # a tree still there this long after its run recorded its end is stopped
+LINGER_ENV = "XTRAIN_TEST_LINGER_S"  # the suite's shorter LINGER_S (test_launch.py)
+
+
+def linger_s() -> float:
+    return float(os.environ.get(LINGER_ENV, LINGER_S))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_process(processes: int) -> int:
+    """Split this node's cores (in a SLURM job: the ones it was given) between its workers (torchrun's
+    default is 1 thread each)."""
+    return max(1, machine.usable_cores() // processes)
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    node_rank: int
+    processes_per_node: int
+    main_process_ip: str
+    main_process_port: int | None  # None: a free port (one node only)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+def torchrun_command(topology: Topology, workdir: Path, port: int, module_args: list[str]) -> list[str]:
+    t = topology
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={t.nodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.processes_per_node}",
+        f"--master-addr={t.main_process_ip}", f"--master-port={port}",
+        f"--log-dir={workdir / 'logs' / f'node{t.node_rank}'}", "--tee=3", "--local-ranks-filter=0",
+        "-m", *module_args,
+    ]
+
+
+def _pump(stream, terminal, log_file) -> None:
+    """Local rank 0's lines to the terminal (prefix removed), torchrun's own lines to its log. Bytes that are
+    not UTF-8 are replaced, never fatal: a reader that stopped would leave the pipe to fill and the workers
+    to block on their next print."""
+    for raw in stream:
+        line = raw.decode("utf-8", errors="replace")
+        if line.startswith(RANK0_PREFIX):
+            terminal.write(line[len(RANK0_PREFIX):])
+            terminal.flush()
+        else:
+            log_file.write(line)
+            log_file.flush()
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """SIGTERM to torchrun (it stops its workers), then SIGKILL to whatever is left after a grace period."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+
+
+def supervise(topology: Topology, workdir: Path, module_args: list[str], env: dict,
+              step_boundary: bool = False, ended: Callable[[], bool] | None = None) -> int:
+    """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
+    `ended()`: the run has recorded its end; a tree still alive `linger_s()` after that is stopped (exit code 0).
+
+    SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGTERM,
+    SIGUSR1 and SIGUSR2 instead ask the workers to stop at the next step boundary with a checkpoint
+    (SIGUSR1 to each, once it listens: one that is still starting gets it when it does); a second one
+    stops the tree at once."""
+    port = topology.main_process_port or free_port()
+    for stale in (workdir / ERRORS_DIR).glob("rank*.json"):
+        stale.unlink()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads_per_process(topology.processes_per_node)),
+        # when the run started: this process's start, or the sweep point's (set by the sweep)
+        "XTRAIN_LAUNCH_TIME": str(machine.launch_time()),
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    log_path = workdir / "logs" / f"launcher-node{topology.node_rank}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    stopped_by: list[int] = []
+    told: set[int] = set()  # workers that were sent the stop request while they listened for it
+    with open(log_path, "a") as log_file:
+        proc = subprocess.Popen(
+            torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
+            preexec_fn=stopping.ignore_in_child if step_boundary else None,
+        )
+        pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
+                 threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
+        for t in pumps:
+            t.start()
+
+        def at_once(signum, frame):
+            stopped_by.append(signum)
+            stop_tree(proc)
+
+        def at_step_boundary(signum, frame):
+            if stopping.requested():
+                at_once(signum, frame)
+            else:
+                stopping.request(signum)
+                _tell_workers(proc, told)
+                log_file.write(f"xtrain: {signal.Signals(signum).name}: asking the workers to stop at a step boundary\n")
+
+        handlers = {signal.SIGINT: at_once, signal.SIGTERM: at_once}
+        if step_boundary:
+            handlers.update({s: at_step_boundary for s in stopping.GRACEFUL})
+        previous = {s: signal.signal(s, handler) for s, handler in handlers.items()}
+        ended_at = None
+        try:
+            while True:
+                try:
+                    code = proc.wait(timeout=1.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    if step_boundary and stopping.requested() and not stopped_by:  # (also: asked before they started)
+                        _tell_workers(proc, told)
+                    if ended is not None and ended_at is None and ended():
+                        ended_at = time.time()
+                    if ended_at is not None and time.time() - ended_at > linger_s():
+                        log_file.write(f"xtrain: the run recorded its end {linger_s():g} s ago and its processes are "
+                                       "still there: stopped them\n")
+                        stop_tree(proc)
+                        proc.wait()
+                        code = 0
+                        break
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        for t in pumps:
+            t.join(timeout=5)
+    if stopped_by:
+        return -stopped_by[0]
+    asked = stopping.requested() if step_boundary else None
+    return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
+
+
+def _tell_workers(proc: subprocess.Popen, told: set[int]) -> None:
+    """SIGUSR1 to each of torchrun's own children, the workers (not what they start: the signal's default
+    action would end it), once each listens for it. Only once: a signal interrupts the system call a
+    worker is in (a collective's socket read, a checkpoint's write), and the C++ below may not retry it."""
+    try:
+        workers = psutil.Process(proc.pid).children()
+    except psutil.NoSuchProcess:
+        return
+    for p in workers:
+        if p.pid in told or not _catches(p.pid, signal.SIGUSR1):
+            continue
+        try:
+            p.send_signal(signal.SIGUSR1)
+            told.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """The process has a handler for `signum` (Linux: SigCgt in /proc; elsewhere assumed)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return True
+    return bool(caught >> (signum - 1) & 1)
+
+
+def recorded_its_end(result: dict, before: dict) -> bool:
+    """This attempt's trainer wrote its final result.json: completed, pruned, or stopped at a step boundary
+    with a checkpoint. Every rank's part (checkpoint, model) is done by then."""
+    status = result.get("status")
+    stopped = status == rundir.Status.interrupted and "stop" in result
+    return result != before and (status in (rundir.Status.completed, rundir.Status.pruned) or stopped)
+
+
+def run(cfg: RunConfig, run_dir: Path) -> dict:
+    """The CLI's multi-process run: workers train from the run dir; failures become LaunchFailed / ConfigError."""
+    c = cfg.cluster
+    topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
+    with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
+        before = rundir.read_result(run_dir)  # a resumed run's shows how its last attempt ended
+        code = supervise(topology, run_dir, ["xtrain.launch.worker", str(run_dir)], {}, step_boundary=True,
+                         ended=lambda: recorded_its_end(rundir.read_result(run_dir), before))
+        asked = stopping.requested()
+    error = rundir.first_rank_error(run_dir)
+    if code < 0 and error is not None and not error["terminated"]:
+        code = 1  # stopped because a rank on another node failed (SLURM ends a job's tasks when one fails)
+    if code < 0:
+        name = signal.Signals(-code).name
+        rundir.record_end(run_dir, "interrupted", f"stopped by {name}", started_only=True)
+        raise LaunchFailed(f"stopped by {name}; all workers ended", 128 - code)
+    if code != 0:
+        if error is None:
+            raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {run_dir / 'logs'})", 1)
+        if error["config_error"]:
+            raise ConfigError(error["summary"])
+        rundir.record_end(run_dir, "failed", f"rank {error['rank']}: {error['summary']}", started_only=True)
+        if not error.get("diverged"):  # that one line says it all
+            sys.stderr.write(error["traceback"])
+        raise LaunchFailed(
+            f"rank {error['rank']} failed: {error['summary']}\n"
+            f"all {c.world_size} workers stopped; every rank's output: {run_dir / 'logs'}", 1,
+        )
+    result = rundir.read_result(run_dir)
+    if asked and result.get("stop") and c.node_rank == 0:  # the workers heard SIGUSR1 from us: name the signal
+        result = rundir.update_result(run_dir, {"stop": {**result["stop"], **asked},
+                                                "error": result["error"].replace("SIGUSR1", asked["signal"], 1)})
+    return result

@@ -1,0 +1,183 @@
+"""A study on SLURM (`hydra/sweeper=xtrain_optuna` with `cluster=slurm`): `hydra.sweeper.n_jobs` workers as one
+job array, each in an allocation of its own. A worker asks the study for a trial, composes, checks and writes
+its point, trains it there (`run_node`, as any SLURM run), tells it, and asks again, until `n_trials` are
+asked: a new trial starts as soon as any ends, with no barrier between workers. One worker at a time asks (a
+lock file beside the journal, safe on a shared filesystem).
+
+A worker whose job SLURM requeues (time limit, preemption, `scontrol requeue`) continues the trial it was
+running, in that trial's own run dir (named by the worker dir's `current.json`): it stays one trial. The
+submitting command follows the workers and, as each worker does when it runs out of trials, writes the
+summary and Optuna's pictures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from xtrain.config.point import Point
+from xtrain.core import machine, rundir
+from xtrain.core.errors import ConfigError
+from xtrain.core.files import write_atomic
+from xtrain.sweeps.study import TOLD, Study
+
+log = logging.getLogger("xtrain")
+
+LOCK = "study.ask"  # beside the journal: Optuna's own open-exclusive lock, `.lock` appended
+LOCK_GRACE_S = 300  # a lock held longer was left by a worker that died while asking: it is taken over
+RESOLVED = ("gpus_per_node", "cpus_per_task", "num_processes")  # what the submitting machine resolved
+
+
+def check(run: Study) -> None:
+    """What a study on SLURM needs, before anything is queued: one allocation fits every trial (the space
+    varies no request), of one node; a resumed study's workers are not still running."""
+    from xtrain.backends.slurm.submit import check_not_running, job_parameters
+
+    first = run.corners[0]
+    if first.cfg.cluster.nodes != 1:
+        raise ConfigError(f"cluster.nodes={first.cfg.cluster.nodes}: a study's trials run on one node each "
+                          "(its workers are one-node jobs); use cluster.nodes=1")
+    for point in run.corners[1:]:
+        if job_parameters(point.cfg) != job_parameters(first.cfg):
+            raise ConfigError(f"the search space's corner {point.label} asks SLURM for another allocation than "
+                              f"{first.label}; a study's workers share one request: sample no cluster.* setting")
+    for path in sorted((run.sweep_dir / rundir.WORKERS).glob("*")):
+        check_not_running(path, run.sweep_dir)
+
+
+def run(study: Study) -> None:
+    """The study's workers, submitted and followed to their end (unless cluster.wait=false)."""
+    from xtrain.backends.slurm import backend as slurm
+
+    cfg = study.corners[0].cfg
+    study.space = replace(study.space, fixed=[*study.space.fixed,
+                                              *(f"cluster.{k}={getattr(cfg.cluster, k)}" for k in RESOLVED)])
+    log.info("study %s in %s (%s)", study.s.study_name, study.sweep_dir, study.s.storage)
+    study.write_summary()
+    count = min(study.s.n_jobs, study.s.n_trials)
+    progress = Progress(study)
+    if slurm.run_workers(Worker(study), cfg, study.sweep_dir, count, tick=progress):
+        progress.show_new()  # told since the last tick
+        study.finish()
+        study.outcome()
+
+
+class Progress:
+    """On the submitting machine, every few seconds: a line for each trial the workers have told since."""
+
+    EVERY_S = 5.0
+
+    def __init__(self, study: Study) -> None:
+        self.study, self.next = study, 0.0
+        self.shown = {t.number for t in self.told()}
+
+    def told(self) -> list:
+        return [t for t in self.study.optuna.get_trials(deepcopy=False) if t.state.is_finished()]
+
+    def __call__(self) -> None:
+        if time.time() < self.next:
+            return
+        self.next = time.time() + self.EVERY_S
+        self.show_new()
+
+    def show_new(self) -> None:
+        for trial in self.told():
+            if trial.number in self.shown:
+                continue
+            self.shown.add(trial.number)
+            if trial.state.name == "COMPLETE":
+                how = f"completed: {self.study.s.objective} {trial.value:.4f}"
+            elif trial.state.name == "PRUNED":
+                how = f"pruned at step {max(trial.intermediate_values, default=0)}"
+            else:
+                how = "failed"
+            log.info("trial %d %s (%s)", trial.number, how, " ".join(trial.user_attrs.get("overrides", [])))
+
+
+@contextlib.contextmanager
+def claiming(sweep_dir: Path):
+    from optuna.storages.journal import JournalFileOpenLock
+
+    lock = JournalFileOpenLock(str(sweep_dir / LOCK), grace_period=LOCK_GRACE_S)
+    lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class NodeChecks:
+    """A trial's checks on its worker's node, before its run dir is written: the submitting machine checked
+    the request (every corner of the space) already, and run_node checks this node's GPUs."""
+
+    @staticmethod
+    def check(cfg) -> None:
+        pass
+
+
+class Worker:
+    """One task of the workers' job array, on its node (pickled by submitit): trials until none is left."""
+
+    def __init__(self, study: Study) -> None:
+        self.settings, self.space, self.sweep_dir, self.compose = study.s, study.space, study.sweep_dir, study.compose
+
+    def __call__(self, worker_dir: str) -> dict:
+        from xtrain.backends import local
+        from xtrain.backends.slurm.node import run_node
+        from xtrain.launch.worker import configure_logging
+
+        os.environ[machine.NODE_SIDE] = "1"
+        configure_logging()
+        here, index = Path(worker_dir), int(Path(worker_dir).name)
+        study = Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)
+        study.on_slurm = True
+        study.claiming = lambda: claiming(self.sweep_dir)
+        study.open(worker=index + 1)
+        point, ran = self.own_trial(study, here) or study.next_point(), []
+        while point is not None:
+            write_atomic(here / rundir.WORKER_TRIAL, json.dumps({"job": array_job(), "trial": point.num}) + "\n")
+            log.info("worker %d: trial %d: %s", index, point.num, point.label)
+            try:
+                outcome = run_node(str(point.path))
+            except Exception:  # its result.json says how it failed (run_node recorded it)
+                outcome = {}
+            finally:
+                local.release_memory()
+            if outcome.get("status") in ("stopped", "interrupted"):  # this allocation ends (SLURM may requeue it)
+                return {"status": "stopped", "trial": point.num}
+            study.on_end(point)
+            ran.append(point.num)
+            point = study.next_point()
+        with claiming(self.sweep_dir):
+            study.finish()
+        rundir.update_result(here, {"status": rundir.Status.completed.value, "trials": ran})
+        return {"status": "completed", "trials": ran}
+
+    @staticmethod
+    def own_trial(study: Study, here: Path) -> Point | None:
+        """After a requeue of this worker's job: the trial it was running, continued from its checkpoint (or
+        told, where it had ended)."""
+        try:
+            record = json.loads((here / rundir.WORKER_TRIAL).read_text())
+        except FileNotFoundError:
+            return None
+        if record["job"] != array_job():  # an earlier array's (a resumed study continues those trials itself)
+            return None
+        trial = study.optuna.get_trials(deepcopy=False)[record["trial"]]
+        if trial.state.name != "RUNNING":
+            return None
+        point = study.point_of(trial.number)
+        if rundir.read_result(point.path).get("status") in TOLD:
+            study.on_end(point)
+            return None
+        log.info("trial %d continues from its checkpoint after a requeue: %s", point.num, point.label)
+        return point
+
+
+def array_job() -> str:
+    return os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("SLURM_JOB_ID", "")

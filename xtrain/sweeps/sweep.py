@@ -1,0 +1,218 @@
+"""A sweep: many points, each a run dir under the sweep dir, placed by a backend (local or SLURM).
+
+Every point is validated (typed config, the backend's checks, preflight) and its run dir written before
+the first one starts; a point that fails while running is recorded and the sweep goes on. The sweep dir
+holds `sweep.json` (its points and their overrides) and the summary files derived from the points' own
+run dirs (`summary.py`), rewritten after every point. Run again with `resume=auto`, a sweep skips
+completed points, continues interrupted ones from their newest checkpoint and runs the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from xtrain.backends.registry import resolve_auto
+from xtrain.config import schema
+from xtrain.config.point import Point
+from xtrain.config.schema import RunConfig
+from xtrain.core import rundir
+from xtrain.core.errors import ConfigError, SweepFailed, explain
+from xtrain.core.rundir import Status
+from xtrain.engine import resume
+from xtrain.launch import preflight
+from xtrain.sweeps import summary
+
+log = logging.getLogger("xtrain")
+
+
+_sweep_dir_before: dict = {}
+
+
+def note_sweep_dir(sweep_dir: Path) -> None:
+    """Hydra's sweeper writes multirun.yaml into the sweep dir before any point is checked: remember what
+    was there, so that a refused sweep leaves the dir as it found it (`undo_refused_sweep`)."""
+    record = sweep_dir / "multirun.yaml"
+    _sweep_dir_before.update(dir=sweep_dir, existed=sweep_dir.exists(),
+                             record=record.read_bytes() if record.exists() else None)
+
+
+def restore_sweep_dir() -> None:
+    """The sweep dir as `note_sweep_dir` found it (a refused sweep, a dry run): multirun.yaml as it was, the dir
+    gone where it was not there."""
+    if not _sweep_dir_before:
+        return
+    sweep_dir, record = _sweep_dir_before["dir"], _sweep_dir_before["record"]
+    if record is not None:
+        (sweep_dir / "multirun.yaml").write_bytes(record)
+    elif not _sweep_dir_before["existed"]:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+    _sweep_dir_before.clear()
+
+
+def swept_overrides(job_overrides: list[list[str]]) -> list[list[str]]:
+    """Per point, the overrides whose value differs between points (what names and labels a point)."""
+    values: dict[str, set[str]] = {}
+    for overrides in job_overrides:
+        for item in overrides:
+            key, _, value = item.partition("=")
+            values.setdefault(key, set()).add(value)
+    return [[o for o in overrides if len(values[o.partition("=")[0]]) > 1] for overrides in job_overrides]
+
+
+def point_dir_name(num: int, swept: list[str]) -> str:
+    """`<num>_<setting=value,...>` (the last part of each key): stable for the same sweep command, and a
+    person can tell which point it is. The summary maps it to the full overrides."""
+    parts = []
+    for override in swept:
+        key, _, value = override.partition("=")
+        parts.append(f"{key.split('.')[-1]}={value}")
+    text = re.sub(r"[^A-Za-z0-9=,._+-]", "_", ",".join(parts))[:80]
+    return f"{num}_{text}" if text else str(num)
+
+
+def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str]], object], sweep_dir: Path,
+                first_num: int = 0, parallel: int = 1) -> list[Point]:
+    """Every point's typed config and run dir (`parallel`: points run at once, sharing this machine's GPUs);
+    a bad point is a ConfigError that names it."""
+    return [plan_point(first_num + i, overrides, swept, compose, sweep_dir, parallel)
+            for i, (overrides, swept) in enumerate(zip(job_overrides, swept_overrides(job_overrides)))]
+
+
+def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callable[[list[str]], object],
+               sweep_dir: Path, parallel: int = 1) -> Point:
+    """One point's typed config, its run dir named by its number and `swept`; a ConfigError names it."""
+    try:
+        container = compose(list(overrides))
+        container["run_dir"] = str(sweep_dir / point_dir_name(num, swept))
+        cfg = resolve_auto(schema.from_container(container), parallel)
+    except ConfigError as err:
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
+    except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, schema.setting_names())}") from None
+    return Point(num, swept, cfg)
+
+
+def completed(path: Path, cfg: RunConfig) -> bool:
+    done = rundir.read_result(path)
+    return done.get("status") == Status.completed and done.get("steps", 0) >= cfg.trainer.max_steps
+
+
+def check_same_config(point: Point) -> None:
+    """A point resumed into its run dir must have the config it was started with (but for when things happen and
+    where they run, and with resume_changes=apply the optimizer's settings): never mix two runs."""
+    on_disk = point.path / rundir.RUN_CONFIG
+    if not on_disk.exists():
+        return
+    found = resume.changes(schema.to_container(schema.load(str(on_disk))), schema.to_container(point.cfg))
+    applied = resume.APPLICABLE if point.cfg.resume_changes == "apply" else ()
+    differ = [f"{c.key}: {c.old!r} on disk vs {c.new!r} now" for c in found if c.trains and c.key not in applied]
+    if differ:
+        raise ConfigError(
+            f"point {point.num} ({point.label}): run_dir={point.path} holds a run with other settings "
+            f"({'; '.join(differ[:3])}); resume with the same command, or choose a new run_dir"
+        )
+
+
+def check_point(point: Point, backend):
+    """Every check of a point before its run dir is written: the model's facts. A ConfigError names the point."""
+    try:
+        backend.check(point.cfg)
+        return preflight.preflight(point.cfg)
+    except ConfigError as err:
+        raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
+
+
+def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
+    """Validate every point and write its run dir; the points still to run. Nothing starts if one is bad."""
+    todo = []  # (point, its model facts)
+    for point in points:
+        if point.cfg.resume not in ("none", "auto"):
+            raise ConfigError(f"resume={point.cfg.resume}: a sweep resumes with resume=auto (each point its own run dir)")
+        try:
+            if point.cfg.resume == "auto":
+                check_same_config(point)
+                if completed(point.path, point.cfg):
+                    continue
+            preflight.check_free(point.cfg)
+        except ConfigError as err:
+            raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
+        todo.append((point, check_point(point, backend)))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    rundir.add_sweep_points(sweep_dir, points)
+    for point, facts in todo:
+        preflight.write_run_dir(point.cfg, facts)
+    return [point for point, _ in todo]
+
+
+def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
+    """Every point's checks and plan as the sweep would run them (and for SLURM the job arrays' scripts); nothing is
+    written, asked or started."""
+    for point in points:
+        try:
+            if point.cfg.resume == "auto":
+                check_same_config(point)
+                if completed(point.path, point.cfg):
+                    print(f"point {point.num} ({point.label}): completed in {point.path}; a resumed sweep skips it\n")
+                    continue
+            text = backend.describe(point.cfg, script=False)
+        except ConfigError as err:
+            raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
+        print(f"point {point.num} ({point.label}): {point.path}\n{text}\n")
+    for script in backend.scripts(points, sweep_dir, **options):
+        print(f"sbatch script (nothing submitted):\n{script}")
+    print(f"sweep: {len(points)} points in {sweep_dir} (dry run: nothing was written or started)")
+    restore_sweep_dir()
+
+
+def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, **options) -> None:
+    """Run the points still to do on the backend; after each, its outcome is logged and the summary rewritten.
+    SweepFailed names every point that did not complete (or says the sweep was interrupted)."""
+    log.info("sweep: %d points in %s, %d to run", len(points), sweep_dir, len(todo))
+    summary.write(sweep_dir)
+
+    def on_end(point: Point) -> None:
+        report(point)
+        summary.write(sweep_dir)
+
+    try:
+        waited = backend.run_points(todo, sweep_dir, on_end, **options)
+    except KeyboardInterrupt:
+        summary.write(sweep_dir)
+        raise SweepFailed([f"sweep interrupted; continue it with run_dir={sweep_dir} resume=auto"], 130) from None
+    except SweepFailed:
+        summary.write(sweep_dir)
+        raise
+    if waited:
+        finish(points, sweep_dir)
+
+
+def finish(points: list[Point], sweep_dir: Path) -> None:
+    """The sweep's outcome: SweepFailed with one line per point that did not complete."""
+    failed = []
+    for point in points:
+        result = rundir.read_result(point.path)
+        if result.get("status") != Status.completed:
+            failed.append(f"point {point.num} ({point.label}) {result.get('status', 'not run')}: {result.get('error', '')}")
+    if failed:
+        raise SweepFailed(failed + [f"{len(failed)} of {len(points)} points failed; summary: {sweep_dir / summary.MARKDOWN}"], 1)
+    log.info("sweep done: %d points; summary: %s", len(points), sweep_dir / summary.MARKDOWN)
+
+
+def report(point: Point) -> None:
+    result = rundir.read_result(point.path)
+    if result.get("status") == Status.completed:
+        log.info("point %d completed: val loss %.4f (%s)", point.num, result["val_loss"], point.label)
+    else:
+        log.info("point %d %s: %s", point.num, result.get("status", "not run"), result.get("error", ""))
+
+
+def final_val_loss(path: Path) -> float | None:
+    """What Hydra's sweepers optimise: the point's final val loss."""
+    return rundir.read_result(path).get("val_loss")
