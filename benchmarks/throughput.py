@@ -79,7 +79,7 @@ def raw_loop_tokens_per_s(cfg: schema.RunConfig, steps: int) -> float:
     tokenizer, (train_set, _) = prepared.tokenizer, prepared.splits()
     model = models.build(cfg.model, tokenizer, cfg.data.block_size)
     optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.trainer))
     loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.trainer.batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     model.train()

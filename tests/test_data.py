@@ -226,7 +226,7 @@ def test_two_runs_started_together_prepare_once_and_train_on_the_same_data(tmp_p
     assert any("waiting for another process that prepares" in out for out in outs)
     assert len(entries(cache)) == 1
     a, b = read_result(tmp_path / "a"), read_result(tmp_path / "b")
-    assert a["first_batch_token_sums"] == b["first_batch_token_sums"]
+    assert a["first_batch_sums"] == b["first_batch_sums"]
     assert a["initial_val_loss"] == b["initial_val_loss"]
 
 
@@ -291,7 +291,7 @@ def test_a_sweep_prepares_once_for_its_points(tmp_path, cache, n_jobs):
     assert len(entries(cache)) == 1
     results = [read_result(p) for p in sweep_dir.iterdir() if (p / "result.json").exists()]
     assert [r["status"] for r in results] == ["completed", "completed"]
-    assert results[0]["first_batch_token_sums"] == results[1]["first_batch_token_sums"]
+    assert results[0]["first_batch_sums"] == results[1]["first_batch_sums"]
 
 
 def test_the_train_shuffle_is_accelerates_order_without_a_list_of_the_epoch():

@@ -34,7 +34,7 @@ def test_skipped_steps_do_not_advance_the_schedule(tmp_path):
     assert skipped == sorted(skipped) and skipped[-1] == result["skipped_steps"]
     # after n optimizer steps taken the lr is lr_factor(n): a skipped step is not counted
     for row in rows:
-        assert row["train/lr"] == pytest.approx(cfg.trainer.lr * lr_factor(row["step"] - row["train/skipped_steps"], cfg))
+        assert row["train/lr"] == pytest.approx(cfg.trainer.lr * lr_factor(row["step"] - row["train/skipped_steps"], cfg.trainer))
     assert result["val_loss"] < result["initial_val_loss"] - 0.3
 
 

@@ -46,9 +46,9 @@ def test_two_processes_follow_one_process_with_twice_the_batch(tmp_path, one_pro
     assert "2 x" not in proc.stdout.split("launching")[0]
     assert train_losses(run_dir) == pytest.approx(train_losses(one_process_batch_16), rel=1e-4)
     assert result["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)
-    rank0, rank1 = result["first_batch_token_sums"]
+    rank0, rank1 = result["first_batch_sums"]
     assert rank0 != rank1  # each rank got its own shard ...
-    assert rank0 + rank1 == single["first_batch_token_sums"][0]  # ... and together they are the 16-sequence batch
+    assert rank0 + rank1 == single["first_batch_sums"][0]  # ... and together they are the 16-sequence batch
     assert "1 CPU threads each" in proc.stdout  # 2 cores split between 2 workers
 
 

@@ -131,7 +131,7 @@ def launch_env(config_file: str) -> dict:
 
 def export(cfg, tmp_path):
     ds_path = tmp_path / "deepspeed.json"
-    if plugins.is_zero(cfg):
+    if plugins.is_zero(cfg.strategy):
         ds_path.write_text(json.dumps(plugins.deepspeed_config(cfg, FACTS)))
     config_file = tmp_path / "accelerate_config.yaml"
     config_file.write_text(yaml.safe_dump(plugins.accelerate_config(cfg, FACTS, str(ds_path))))
@@ -162,7 +162,7 @@ def test_exported_files_reproduce_the_plugin_through_accelerate_launch(monkeypat
         monkeypatch.setenv(key, value)
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
-    if plugins.is_zero(cfg):
+    if plugins.is_zero(cfg.strategy):
         # precision lives in deepspeed.json (Accelerate refuses it in both files): the launcher passes "no" and
         # the worker's AcceleratorState applies it to the plugin, as ours applies cfg's precision
         assert env["ACCELERATE_MIXED_PRECISION"] == "no"

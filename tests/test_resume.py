@@ -140,4 +140,4 @@ def test_resume_changes_apply_makes_a_new_lr_and_a_longer_run_take_effect(killed
     assert sorted(lrs) == list(range(1, 13))
     for step, lr in lrs.items():  # the lr each step's scheduler set for the next one
         cfg = old if step <= 4 else new
-        assert lr == pytest.approx(cfg.trainer.lr * lr_factor(step, cfg), rel=1e-6), step
+        assert lr == pytest.approx(cfg.trainer.lr * lr_factor(step, cfg.trainer), rel=1e-6), step

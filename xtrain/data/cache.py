@@ -177,7 +177,7 @@ def write_entry(path: Path, source, tokenizer_json: str, eos: int, vocab: int, d
     num_proc = data.num_proc or machine.usable_cores()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     log.info("data: preparing %s on %s with %d process(es) into %s", source.name, node_name(), num_proc, path.parent)
-    counts, progress = Counts(), Progress(source)
+    counts, progress = Counts(), PreparingProgress(source)
     with open(path / TOKENS, "wb") as out:
         for ids in token_arrays(source.batches(counts), tokenizer_json, eos, dtype.name, num_proc):
             out.write(ids.tobytes())
@@ -211,7 +211,7 @@ def write_entry(path: Path, source, tokenizer_json: str, eos: int, vocab: int, d
              block, skipped, replaced)
 
 
-class Progress:
+class PreparingProgress:
     """A log line every PROGRESS_EVERY_S (documents, MB, MB/s, tokens/s, ETA), and a bar on a terminal."""
 
     def __init__(self, source):

@@ -31,7 +31,7 @@ from xtrain.config.schema import DataConfig, ModelConfig, TrainOn
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.data import chat
-from xtrain.data.cache import VAL_SPLIT_SEED, Progress, build_once, node_name, pretrained_tokenizer
+from xtrain.data.cache import VAL_SPLIT_SEED, PreparingProgress, build_once, node_name, pretrained_tokenizer
 from xtrain.data.sources import TEXT, Counts, Files, cache_dir, file_format, load_hf, raw_batches, sha
 from xtrain.data.tokenize import ordered_map
 
@@ -142,7 +142,7 @@ def write_entry(path: Path, source: ExampleSource, name_or_path: str, template: 
     num_proc = data.num_proc or machine.usable_cores()
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     log.info("data: preparing %s on %s with %d process(es) into %s", source.name, node_name(), num_proc, path.parent)
-    counts, progress = Counts(), Progress(source)
+    counts, progress = Counts(), PreparingProgress(source)
     lengths, trained, truncated, cut_tokens, no_answer = [], 0, 0, 0, 0
     stream = iter(source.examples(counts))
     tasks = iter(lambda: list(itertools.islice(stream, EXAMPLES_PER_TASK)), [])

@@ -17,6 +17,7 @@ import os
 from datetime import timedelta
 
 from xtrain.config.schema import Precision, RunConfig, Strategy
+from xtrain.config.strategy import StrategyConfig
 
 ZERO_ON_CPU_ENV = "XTRAIN_TEST_ZERO_ON_CPU"
 FSDP_ON_CPU_ENV = "XTRAIN_TEST_FSDP_ON_CPU"
@@ -29,14 +30,14 @@ def _switched_on(env: str) -> bool:
     return os.environ.get(env) == "1" and not torch.cuda.is_available()
 
 
-def zero_on_cpu(cfg: RunConfig) -> bool:
+def zero_on_cpu(strategy: StrategyConfig) -> bool:
     """ZeRO through DeepSpeed's CPU accelerator (slow; Accelerate does not support it)."""
-    return cfg.strategy.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3) and _switched_on(ZERO_ON_CPU_ENV)
+    return strategy.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3) and _switched_on(ZERO_ON_CPU_ENV)
 
 
-def fsdp_on_cpu(cfg: RunConfig) -> bool:
+def fsdp_on_cpu(strategy: StrategyConfig) -> bool:
     """FSDP over gloo: Accelerate takes its FSDP branch only for accelerator process groups (`present_cpu_as_accelerator`)."""
-    return cfg.strategy.name is Strategy.fsdp and _switched_on(FSDP_ON_CPU_ENV)
+    return strategy.name is Strategy.fsdp and _switched_on(FSDP_ON_CPU_ENV)
 
 
 def fp16_on_cpu(cfg: RunConfig) -> bool:

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 from xtrain.config.schema import Fp8Backend, ModelSource, Offload, Precision, RunConfig, StateDictType, Strategy
+from xtrain.config.strategy import StrategyConfig
 from xtrain.core.errors import ConfigError
 from xtrain.distributed import compiling
 
@@ -39,8 +40,8 @@ def builds_on_meta(cfg: RunConfig) -> bool:
     return (s.name is Strategy.fsdp and s.fsdp_version == 2 and getattr(cfg.model, "source", None) is ModelSource.config)
 
 
-def is_zero(cfg: RunConfig) -> bool:
-    return cfg.strategy.name in ZERO_STAGE
+def is_zero(strategy: StrategyConfig) -> bool:
+    return strategy.name in ZERO_STAGE
 
 
 def _offload(device: Offload, nvme_path: str | None, **extra) -> dict:
@@ -50,8 +51,8 @@ def _offload(device: Offload, nvme_path: str | None, **extra) -> dict:
     return section
 
 
-def _zero_optimization(cfg: RunConfig, facts: ModelFacts) -> dict:
-    s = cfg.strategy
+def _zero_optimization(strategy: StrategyConfig, facts: ModelFacts) -> dict:
+    s = strategy
     stage = ZERO_STAGE[s.name]
     hidden = facts.hidden_size
     section: dict = {
@@ -100,7 +101,7 @@ def deepspeed_config(cfg: RunConfig, facts: ModelFacts, user: dict | None = None
         },
         # fp8 runs its matmuls in fp8 inside bf16 autocast: Accelerate's DeepSpeed path relies on bf16 being on
         "bf16": {"enabled": precision in (Precision.bf16, Precision.fp8)},
-        "zero_optimization": _zero_optimization(cfg, facts),
+        "zero_optimization": _zero_optimization(cfg.strategy, facts),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -163,8 +164,8 @@ def merge_user_config(ours: dict, user: dict, source: str | None) -> dict:
     return merged
 
 
-def load_user_deepspeed_config(cfg: RunConfig) -> dict:
-    path = cfg.strategy.deepspeed_config
+def load_user_deepspeed_config(strategy: StrategyConfig) -> dict:
+    path = strategy.deepspeed_config
     if not path:
         return {}
     try:
@@ -179,9 +180,9 @@ def load_user_deepspeed_config(cfg: RunConfig) -> dict:
     return user
 
 
-def fsdp_settings(cfg: RunConfig, facts: ModelFacts) -> dict:
+def fsdp_settings(strategy: StrategyConfig, facts: ModelFacts) -> dict:
     """Every FullyShardedDataParallelPlugin field xtrain decides, by its Accelerate name."""
-    s = cfg.strategy
+    s = strategy
     settings = {
         "fsdp_version": s.fsdp_version,
         "auto_wrap_policy": "transformer_based_wrap",
@@ -233,7 +234,7 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
         recipe = {Fp8Backend.te: TERecipeKwargs, Fp8Backend.torchao: AORecipeKwargs,
                   Fp8Backend.msamp: MSAMPRecipeKwargs}[cfg.precision.fp8_backend]
         kwargs["kwargs_handlers"] = [recipe(**fp8_recipe(cfg))]
-    if is_zero(cfg):
+    if is_zero(cfg.strategy):
         ds = deepspeed_config(cfg, facts, user_ds)
         s = cfg.strategy
         zero = ds["zero_optimization"]
@@ -255,7 +256,7 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
         )
     elif cfg.strategy.name is Strategy.fsdp:
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            **fsdp_settings(cfg, facts),
+            **fsdp_settings(cfg.strategy, facts),
             ignored_modules=[],  # None would be read from FSDP_IGNORED_MODULES
             min_num_params=None,  # read (from FSDP_MIN_NUM_PARAMS) only for size-based wrapping
             activation_checkpointing_offload=False,
@@ -284,7 +285,7 @@ def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | N
         "tpu_use_sudo": False,
         "use_cpu": cpu,
     }
-    if is_zero(cfg):
+    if is_zero(cfg.strategy):
         out["distributed_type"] = "DEEPSPEED"
         out["deepspeed_config"] = {
             "deepspeed_config_file": deepspeed_json,
@@ -303,7 +304,7 @@ def accelerate_config(cfg: RunConfig, facts: ModelFacts, deepspeed_json: str | N
             "backward_prefetch": "fsdp_backward_prefetch", "forward_prefetch": "fsdp_forward_prefetch",
             "use_orig_params": "fsdp_use_orig_params", "sync_module_states": "fsdp_sync_module_states",
         }
-        settings = fsdp_settings(cfg, facts)
+        settings = fsdp_settings(cfg.strategy, facts)
         settings.pop("limit_all_gathers", None)  # not a launch option; Accelerate's default (True) matches
         fsdp = {names[k]: v for k, v in settings.items()}
         fsdp["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"

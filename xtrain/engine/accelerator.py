@@ -37,20 +37,20 @@ def plugin_kwargs(cfg: RunConfig, facts: plugins.ModelFacts) -> dict:
     rank's weights on GPU 0 first."""
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+    return plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
 
 
 def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
     kwargs = plugin_kwargs(cfg, facts)
     # a collective that waits longer than this (a stuck or dead rank) raises instead of hanging
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
-    cpu_zero = cpu_seams.zero_on_cpu(cfg)
+    cpu_zero = cpu_seams.zero_on_cpu(cfg.strategy)
     process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
     if cpu_zero:
         cpu_seams.skip_the_shared_memory_all_reduce()
     if cpu_zero and cfg.strategy.offload_optimizer.value != "none":
         cpu_seams.accept_torch_adamw_offloaded(kwargs["deepspeed_plugin"])
-    if cpu_seams.fsdp_on_cpu(cfg):
+    if cpu_seams.fsdp_on_cpu(cfg.strategy):
         cpu_seams.present_cpu_as_accelerator(kwargs["fsdp_plugin"], timeout)
     accelerator = Accelerator(
         # Without cpu=True a CUDA-less multi-process launch silently trains N independent models;
@@ -66,7 +66,7 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.trainer.seed),
         # The schedule is defined in optimizer steps; it is stepped by hand, and not after a skipped step.
         step_scheduler_with_optimizer=False,
-        log_with=tracking.log_with(cfg, run_dir),
+        log_with=tracking.log_with(cfg.tracker, run_dir),
         project_config=ProjectConfiguration(
             project_dir=str(run_dir), logging_dir=str(run_dir / tracking.TENSORBOARD_DIR)
         ),
@@ -81,7 +81,7 @@ def check_setup(cfg: RunConfig, distributed_type: DistributedType, num_processes
     strategy, world = cfg.strategy.name, cfg.cluster.world_size
     if strategy is Strategy.fsdp:
         wanted = {DistributedType.FSDP}
-    elif plugins.is_zero(cfg):
+    elif plugins.is_zero(cfg.strategy):
         wanted = {DistributedType.DEEPSPEED}
     elif world > 1:
         wanted = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}

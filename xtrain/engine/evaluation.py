@@ -11,7 +11,7 @@ import time
 import torch
 from accelerate import Accelerator
 
-from xtrain.config.schema import RunConfig
+from xtrain.config.schema import RunConfig, TrainerConfig
 from xtrain.tasks.base import Task
 
 log = logging.getLogger("xtrain")
@@ -59,23 +59,22 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dic
     for name, value in values.items():
         result[f"val_{name}"] = value
         best, pick = result.get(f"best_val_{name}"), max if name in MAXIMIZED else min
-        if name != "ppl" and (c.task.metrics or name != "loss"):
-            result[f"best_val_{name}"] = value if best is None else pick(best, value)
+        result[f"best_val_{name}"] = value if best is None else pick(best, value)
     log.info("step %d | %s", step, reporting.eval_text(result))
     if cfg.trainer.sample_prompts:
-        log_samples(accelerator, cfg, c, step)
+        log_samples(accelerator, cfg.trainer, c, step)
     result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
     return values["loss"]
 
 
-def log_samples(accelerator: Accelerator, cfg: RunConfig, c, step: int) -> None:
+def log_samples(accelerator: Accelerator, trainer: TrainerConfig, c, step: int) -> None:
     """The task's greedy answers to `trainer.sample_prompts`: a log line each, and `sample/<i>` in metrics.jsonl
     and the trackers (text)."""
     model = accelerator.unwrap_model(c.model)
     model.eval()
-    answers = c.task.samples(model, cfg.trainer.sample_prompts, cfg.trainer.sample_max_tokens)
+    answers = c.task.samples(model, trainer.sample_prompts, trainer.sample_max_tokens)
     model.train()
     accelerator.log({f"sample/{i}": f"{prompt} -> {answer}"
-                     for i, (prompt, answer) in enumerate(zip(cfg.trainer.sample_prompts, answers))}, step=step)
-    for prompt, answer in zip(cfg.trainer.sample_prompts, answers):
+                     for i, (prompt, answer) in enumerate(zip(trainer.sample_prompts, answers))}, step=step)
+    for prompt, answer in zip(trainer.sample_prompts, answers):
         log.info("step %d | sample | %s -> %s", step, prompt, answer)

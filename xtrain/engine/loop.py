@@ -71,10 +71,10 @@ class Components:
 
 @dataclass
 class Progress:
-    """The loop's counters; `tokens_seen` and `skipped` travel in checkpoints."""
+    """The loop's counters; `seen` (in the task's unit) and `skipped` travel in checkpoints."""
 
     step: int
-    tokens_seen: int
+    seen: int
     skipped: int  # optimizer steps the fp16 loss scaler skipped
     window: reporting.Window = field(default_factory=reporting.Window)
     last_finite: tuple[int, float] | None = None
@@ -94,7 +94,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
         compiling.compile_blocks(model)
     model.train()
     optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg.trainer))
     # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
     # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
     train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True,
@@ -125,12 +125,12 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
     """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, on the main process the
     last step logged before the cut, and the settings that changed since the checkpoint (preflight allowed them;
     the optimizer's and the schedule's take effect here)."""
-    progress, last_logged, changed = Progress(step=0, tokens_seen=0, skipped=0, monitor=Monitor.of(cfg.trainer)), 0, {}
+    progress, last_logged, changed = Progress(step=0, seen=0, skipped=0, monitor=Monitor.of(cfg.trainer)), 0, {}
     if resume_from is not None:
         checkpoint.load(accelerator, resume_from, only_trainable=cfg.model.lora.enabled)
         state = checkpoint.read_state(resume_from)
         window = state.get("log_window", {})  # a stop between two log lines: the next one covers both parts
-        progress = Progress(step=state["step"], tokens_seen=state["tokens_seen"],
+        progress = Progress(step=state["step"], seen=state.get("seen", state.get("tokens_seen", 0)),
                             skipped=state.get("skipped_steps", 0),
                             window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
                             best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, state.get("monitor")))
@@ -162,7 +162,7 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
     log.info(
         "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d %s",
         c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world, accelerator.distributed_type.value,
-        t.batch_size * t.grad_accum * world, "sequences" if c.task.throughput_unit == "tokens" else "examples",
+        t.batch_size * t.grad_accum * world, c.task.batch_unit,
     )
     if resume_from is not None:
         log.info("resumed from %s at step %d", resume_from, start_step)
@@ -206,7 +206,7 @@ def _train(run_dir: Path) -> dict:
     accelerator = build_accelerator(cfg, run_dir, facts)
     check_setup(cfg, accelerator.distributed_type, accelerator.num_processes)
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
-    assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg), "no autocast"
+    assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg.strategy), "no autocast"
     set_seed(t.seed)
     resume_from = checkpoint.resolve(resume_setting(cfg, run_dir), run_dir, checkpoint.identity(cfg))
     if accelerator.is_main_process:
@@ -218,7 +218,7 @@ def _train(run_dir: Path) -> dict:
     progress, last_logged, changed = restore(accelerator, resume_from, run_dir, cfg, c)
     start_step = progress.step
     accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
-                              init_kwargs=tracking.init_kwargs(cfg, run_dir, accelerator.is_main_process, start_step))
+                              init_kwargs=tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start_step))
     result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
     result["peak_rss_model_ready_bytes"] = model_ready
     result.update(progress.best, monitor=progress.monitor.state())
@@ -231,7 +231,7 @@ def _train(run_dir: Path) -> dict:
             result["changed_from_checkpoint"] = changed
         rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
 
-    train_start, tokens_at_start = time.time(), progress.tokens_seen
+    train_start, seen_at_start = time.time(), progress.seen
     if start_step == 0:
         result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
         judge(accelerator, cfg, c, progress, result, run_dir)
@@ -262,7 +262,7 @@ def _train(run_dir: Path) -> dict:
     accelerator.end_training()  # destroys the process group: no collective after it
     if accelerator.num_processes > 1:
         _HELD_UNTIL_EXIT.append((accelerator, c))
-    return finish(cfg, accelerator, result, stop, run_dir, (progress.tokens_seen - tokens_at_start) / wall,
+    return finish(cfg, accelerator, result, stop, run_dir, (progress.seen - seen_at_start) / wall,
                   c.task.throughput_unit, process_start, wall)
 
 
@@ -298,14 +298,14 @@ def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, 
     ends them at the step boundary, with a checkpoint of that step: returns the request."""
     t = cfg.trainer
     for step in range(p.step + 1, t.max_steps + 1):
-        loss_sum, tokens = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
-        loss, per_step, stop = agree_on_step(accelerator, loss_sum, tokens, t.grad_accum, step, p.last_finite, cfg)
+        loss_sum, count = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+        loss, per_step, stop = agree_on_step(accelerator, loss_sum, count, t.grad_accum, step, p.last_finite, cfg)
         p.step, p.last_finite = step, (step, loss)
         p.skipped += accelerator.optimizer_step_was_skipped
         p.window.loss_sum += loss
         p.window.steps += 1
-        p.window.tokens += per_step
-        p.tokens_seen += per_step
+        p.window.count += per_step
+        p.seen += per_step
         bar.update(1)
         if "time_to_first_step_s" not in result:
             note_first_step(result, process_start)
@@ -339,7 +339,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     t, step = cfg.trainer, p.step
     last = step == t.max_steps
     if step % t.log_every == 0 or last:
-        result["train_loss"] = reporting.log_train(accelerator, p.window, step, c.scheduler, p.tokens_seen, p.skipped,
+        result["train_loss"] = reporting.log_train(accelerator, p.window, step, c.scheduler, p.seen, p.skipped,
                                                    c.task.throughput_unit)
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = reporting.Window()
@@ -367,7 +367,7 @@ def judge(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, 
 
 def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
     window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
-    state = {"tokens_seen": p.tokens_seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
+    state = {"seen": p.seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
              "monitor": p.monitor.state(),
              **checkpoint.identity(cfg),
              "config": schema.to_container(cfg)}  # what it was trained with: a resume with other settings says so
@@ -375,12 +375,13 @@ def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: 
 
 
 def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
-    """One optimizer step over `grad_accum` micro-batches; returns their summed loss and this rank's tokens.
+    """One optimizer step over `grad_accum` micro-batches; returns their summed loss and this rank's count
+    of the task's unit (tokens, examples).
     The schedule counts optimizer steps taken: a step the loss scaler skipped (fp16 overflow) does not advance it."""
-    loss_sum, tokens = torch.zeros((), device=accelerator.device), 0
+    loss_sum, count = torch.zeros((), device=accelerator.device), 0
     for _ in range(grad_accum):
         batch = next(batches)
-        tokens += c.task.tokens(batch)
+        count += c.task.count(batch)
         with accelerator.accumulate(c.model):
             loss = c.task.loss(c.model, batch)
             accelerator.backward(loss)
@@ -391,20 +392,20 @@ def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum:
         loss_sum += loss.detach()
     if not accelerator.optimizer_step_was_skipped:
         c.scheduler.step()
-    return loss_sum, tokens
+    return loss_sum, count
 
 
-def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, tokens: int, grad_accum: int, step: int,
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, grad_accum: int, step: int,
                   last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, int, bool]:
     """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
-    the tokens every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
+    the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
     every rank alike (all see the mean)."""
     asked = float(stopping.requested() is not None)
     if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
-        mean_loss_sum, stop, mean_tokens = loss_sum.item(), asked, tokens
+        mean_loss_sum, stop, mean_count = loss_sum.item(), asked, count
     else:
-        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(tokens)], device=loss_sum.device)])
-        mean_loss_sum, stop, mean_tokens = accelerator.reduce(own, "mean").tolist()
+        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(count)], device=loss_sum.device)])
+        mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
     loss = mean_loss_sum / grad_accum
     if not math.isfinite(loss):
         before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
@@ -412,14 +413,14 @@ def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, tokens: int,
             f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
             f"(now {cfg.trainer.lr:g}) or raise trainer.warmup_steps (now {cfg.trainer.warmup_steps})"
         )
-    return loss, round(mean_tokens * accelerator.num_processes), stop > 0
+    return loss, round(mean_count * accelerator.num_processes), stop > 0
 
 
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
     """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
     ids = sum(value.sum() for value in (batch.values() if isinstance(batch, dict) else batch) if torch.is_tensor(value))
-    result["first_batch_token_sums"] = accelerator.gather(ids.reshape(1)).tolist()
+    result["first_batch_sums"] = accelerator.gather(ids.reshape(1)).tolist()
     yield batch
     yield from batches
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from xtrain.config.schema import Offload, RunConfig
+from xtrain.config.schema import Offload, RunConfig, TrainerConfig
 from xtrain.distributed.cpu_seams import zero_on_cpu
 
 
@@ -22,16 +22,16 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     ]
     groups = [g for g in groups if g["params"]]  # LoRA trains matrices only; DeepSpeed drops an empty group
     hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
-    if cfg.strategy.offload_optimizer is not Offload.none and not zero_on_cpu(cfg):
+    if cfg.strategy.offload_optimizer is not Offload.none and not zero_on_cpu(cfg.strategy):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)
     return torch.optim.AdamW(groups, **hyper, fused=cfg.trainer.fused_optimizer or None)
 
 
-def lr_factor(step: int, cfg: RunConfig) -> float:
+def lr_factor(step: int, trainer: TrainerConfig) -> float:
     """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at `max_steps`."""
-    t = cfg.trainer
+    t = trainer
     if step < t.warmup_steps:
         return (step + 1) / t.warmup_steps
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
@@ -45,7 +45,7 @@ def set_hyperparameters(optimizer, scheduler, cfg: RunConfig) -> None:
     schedule.base_lrs = [cfg.trainer.lr] * len(schedule.base_lrs)
     for group in optimizer.param_groups:
         group["initial_lr"] = cfg.trainer.lr
-        group["lr"] = cfg.trainer.lr * lr_factor(schedule.last_epoch, cfg)
+        group["lr"] = cfg.trainer.lr * lr_factor(schedule.last_epoch, cfg.trainer)
         first = group["params"][0]
         if len(getattr(first, "ds_shape", first.shape)) >= 2:  # the matrices' group (build_optimizer)
             group["weight_decay"] = cfg.trainer.weight_decay

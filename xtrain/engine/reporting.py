@@ -16,7 +16,7 @@ class Window:
 
     loss_sum: float = 0.0
     steps: int = 0
-    tokens: int = 0  # (in the task's unit)
+    count: int = 0  # in the task's unit (tokens, examples)
     start: float = field(default_factory=time.perf_counter)
 
 
@@ -26,7 +26,7 @@ def log_train(accelerator, window: Window, step: int, scheduler, seen: int, skip
     metrics = {
         "train/loss": train_loss,
         "train/lr": scheduler.get_last_lr()[0],
-        f"train/{unit}_per_s": window.tokens / (time.perf_counter() - window.start),
+        f"train/{unit}_per_s": window.count / (time.perf_counter() - window.start),
         f"train/{unit}_seen": seen,
         "train/skipped_steps": skipped,  # optimizer steps the fp16 loss scaler skipped (overflow), so far
     }

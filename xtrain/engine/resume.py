@@ -82,7 +82,7 @@ def record(found: list[Change]) -> dict:
     return {c.key: [c.old, c.new] for c in found if c.key not in ("run_dir", "resume", "resume_changes", "dry_run")}
 
 
-def check(mode: str, recorded: dict | None, now: dict, what: str) -> list[Change]:
+def applicable_changes(mode: str, recorded: dict | None, now: dict, what: str) -> list[Change]:
     """The changes a resume takes (a ConfigError where it must not); `recorded`: the checkpoint's config."""
     found = changes(recorded, now) if recorded is not None else []
     reason = refusal(found, mode, what)

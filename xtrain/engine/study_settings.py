@@ -49,7 +49,7 @@ class StudySettings:
     max_retries: int = 0
 
 
-def check(s: StudySettings) -> StudySettings:
+def validated(s: StudySettings) -> StudySettings:
     """Every setting a study can refuse before anything runs: one line each."""
     if s.n_trials < 1:
         raise ConfigError(f"hydra.sweeper.n_trials={s.n_trials}: must be >= 1")

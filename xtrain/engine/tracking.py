@@ -10,7 +10,7 @@ from pathlib import Path
 from accelerate.tracking import GeneralTracker
 
 from xtrain.config.cluster import SHELL_STRINGS
-from xtrain.config.schema import RunConfig, TrackerKind, to_container
+from xtrain.config.schema import RunConfig, TrackerConfig, TrackerKind, to_container
 from xtrain.core.files import write_atomic
 from xtrain.core.rundir import METRICS
 
@@ -58,11 +58,11 @@ def wandb_mode(requested: str) -> str:
     return "online" if logged_in else "offline"
 
 
-def log_with(cfg: RunConfig, run_dir: Path) -> list:
+def log_with(tracker: TrackerConfig, run_dir: Path) -> list:
     trackers: list = [JsonlTracker(run_dir / METRICS)]
-    if cfg.tracker.kind is TrackerKind.tensorboard:
+    if tracker.kind is TrackerKind.tensorboard:
         trackers.append("tensorboard")
-    elif cfg.tracker.kind is TrackerKind.wandb:
+    elif tracker.kind is TrackerKind.wandb:
         trackers.append("wandb")
     return trackers
 
@@ -77,13 +77,13 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-def init_kwargs(cfg: RunConfig, run_dir: Path, main_process: bool, start_step: int) -> dict:
+def init_kwargs(tracker: TrackerConfig, run_dir: Path, main_process: bool, start_step: int) -> dict:
     """Tracker settings for `init_trackers` (which starts trackers on the main process only). A resumed run
     continues its W&B run; TensorBoard hides what a killed attempt logged after the checkpoint (purge_step)."""
-    if cfg.tracker.kind is TrackerKind.wandb and main_process:
-        return {"wandb": {"dir": str(run_dir), "mode": wandb_mode(cfg.tracker.wandb_mode), "name": run_dir.name,
+    if tracker.kind is TrackerKind.wandb and main_process:
+        return {"wandb": {"dir": str(run_dir), "mode": wandb_mode(tracker.wandb_mode), "name": run_dir.name,
                           "id": wandb_run_id(run_dir), "resume": "allow"}}
-    if cfg.tracker.kind is TrackerKind.tensorboard and start_step:
+    if tracker.kind is TrackerKind.tensorboard and start_step:
         return {"tensorboard": {"purge_step": start_step + 1}}
     return {}
 

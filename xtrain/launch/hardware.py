@@ -13,7 +13,7 @@ import shutil
 import socket
 from dataclasses import replace
 
-from xtrain.config.cluster import ClusterKind
+from xtrain.config.cluster import ClusterConfig, ClusterKind
 from xtrain.config.schema import BaseQuantization, Fp8Backend, Precision, RunConfig, Strategy
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
@@ -26,15 +26,15 @@ FP8_PACKAGES = {
 }
 
 
-def submitting_to_slurm(cfg: RunConfig) -> bool:
+def submitting_to_slurm(cluster: ClusterConfig) -> bool:
     """This process submits the run to SLURM: its nodes, not this machine, are what must run it. (A process
     inside someone's allocation, an salloc shell or a batch job, submits too: only xtrain marks its nodes.)"""
-    return cfg.cluster.kind is ClusterKind.slurm and os.environ.get(machine.NODE_SIDE) != "1"
+    return cluster.kind is ClusterKind.slurm and os.environ.get(machine.NODE_SIDE) != "1"
 
 
 def node_gpus(cfg: RunConfig) -> int:
     """GPUs of a node that runs the workers: the ones SLURM is asked for, or the ones visible here."""
-    return cfg.cluster.gpus if submitting_to_slurm(cfg) else machine.visible_gpus()
+    return cfg.cluster.gpus if submitting_to_slurm(cfg.cluster) else machine.visible_gpus()
 
 
 def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
@@ -48,7 +48,7 @@ def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
 
 def refusal(cfg: RunConfig) -> str | None:
     """Why this machine cannot run the request, or None."""
-    if submitting_to_slurm(cfg):  # the nodes' GPUs are checked on the nodes, before their workers start
+    if submitting_to_slurm(cfg.cluster):  # the nodes' GPUs are checked on the nodes, before their workers start
         cuda = cfg.cluster.gpus > 0
         if cuda:
             return None
@@ -62,7 +62,7 @@ def refusal(cfg: RunConfig) -> str | None:
                 "or ask for none (cluster.gpus_per_node=0: train on the nodes' CPUs)"
             )
     strategy, precision = cfg.strategy.name, cfg.precision.name
-    if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg) and not fsdp_on_cpu(cfg):
+    if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg.strategy) and not fsdp_on_cpu(cfg.strategy):
         kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"
         return (
             f"strategy={strategy.value}: {kind} needs CUDA GPUs and this machine has none (Accelerate would "

@@ -31,10 +31,10 @@ class Plan:
 
 def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Plan:
     n_params, facts = model_facts(cfg)
-    if plugins.is_zero(cfg):
-        settings = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+    if plugins.is_zero(cfg.strategy):
+        settings = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
     elif cfg.strategy.name is Strategy.fsdp:
-        settings = plugins.fsdp_settings(cfg, facts)
+        settings = plugins.fsdp_settings(cfg.strategy, facts)
     else:
         settings = {}
     memory = model_state_memory(n_params, cfg, facts.trainable)
@@ -77,7 +77,7 @@ def render(plan: Plan) -> str:
         lines.append(f"  fits         NO: {size(m.total)} > {plan.device_memory_gb:g} GB; {advice}")
     lines.append(f"  runs here    {'no: ' + plan.refusal if plan.refusal else 'yes'}")
     if plan.plugin_settings:
-        title = "deepspeed.json" if plugins.is_zero(cfg) else "fsdp plugin"
+        title = "deepspeed.json" if plugins.is_zero(cfg.strategy) else "fsdp plugin"
         body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
         lines.append(f"  {title}:\n  {body}")
     return "\n".join(lines)

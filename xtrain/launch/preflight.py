@@ -40,7 +40,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts.
     What only a cluster can tell (partitions, nodes) its backend checks (`check`) before this. `planning` (a dry
     run): what this machine's hardware cannot run is for the plan to say, not a refusal; every other check holds."""
-    if not planning or hardware.submitting_to_slurm(cfg):  # (a SLURM request's GPUs are the plan's, not this machine's)
+    if not planning or hardware.submitting_to_slurm(cfg.cluster):  # (a SLURM request's GPUs are the plan's, not this machine's)
         hardware.check(cfg)
     c = cfg.cluster
     if c.kind is ClusterKind.local and c.nodes > 1 and c.main_process_port is None:
@@ -50,7 +50,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         )
     gpus = hardware.node_gpus(cfg)
     if gpus and c.processes_per_node > gpus:
-        where = f"cluster.gpus_per_node={gpus}" if hardware.submitting_to_slurm(cfg) else f"this node has {gpus} GPU(s)"
+        where = f"cluster.gpus_per_node={gpus}" if hardware.submitting_to_slurm(cfg.cluster) else f"this node has {gpus} GPU(s)"
         raise ConfigError(
             f"cluster.num_processes={c.num_processes}: {where}; use cluster.num_processes<={gpus} (or auto)"
         )
@@ -75,7 +75,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
                 f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps "
                 "(with resume_changes=apply)"
             )
-        resume.check(cfg.resume_changes, state.get("config"), schema.to_container(cfg), f"resume={cfg.resume}: {resume_from}")
+        resume.applicable_changes(cfg.resume_changes, state.get("config"), schema.to_container(cfg), f"resume={cfg.resume}: {resume_from}")
     elif cfg.resume == "auto":
         log.info("resume=auto: %s holds no checkpoint; starting fresh", cfg.run_dir)
     return facts
@@ -84,9 +84,9 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
 def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Path) -> None:
     """The same run for plain `accelerate launch --config_file <run dir>/accelerate_config.yaml`."""
     ds_path = None
-    if plugins.is_zero(cfg):
+    if plugins.is_zero(cfg.strategy):
         ds_path = path / DEEPSPEED_CONFIG
-        ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg))
+        ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
         write_atomic(ds_path, json.dumps(ds, indent=2) + "\n")
     exported = plugins.accelerate_config(cfg, facts, str(ds_path), cuda=hardware.node_gpus(cfg) > 0)
     write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(exported))

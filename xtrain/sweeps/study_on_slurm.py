@@ -43,7 +43,7 @@ def check(run: Study) -> None:
         raise ConfigError(f"cluster.nodes={first.cfg.cluster.nodes}: a study's trials run on one node each "
                           "(its workers are one-node jobs); use cluster.nodes=1")
     for point in run.corners[1:]:
-        if job_parameters(point.cfg) != job_parameters(first.cfg):
+        if job_parameters(point.cfg.cluster) != job_parameters(first.cfg.cluster):
             raise ConfigError(f"the search space's corner {point.label} asks SLURM for another allocation than "
                               f"{first.label}; a study's workers share one request: sample no cluster.* setting")
     for path in sorted((run.sweep_dir / rundir.WORKERS).glob("*")):
@@ -60,14 +60,14 @@ def run(study: Study) -> None:
     log.info("study %s in %s (%s)", study.s.study_name, study.sweep_dir, study.s.storage)
     study.write_summary()
     count = min(study.s.n_jobs, study.s.n_trials)
-    progress = Progress(study)
+    progress = StudyProgress(study)
     if slurm.run_workers(Worker(study), cfg, study.sweep_dir, count, tick=progress):
         progress.show_new()  # told since the last tick
         study.finish()
         study.outcome()
 
 
-class Progress:
+class StudyProgress:
     """On the submitting machine, every few seconds: a line for each trial the workers have told since."""
 
     EVERY_S = 5.0

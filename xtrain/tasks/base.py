@@ -20,6 +20,11 @@ class TaskData:
 
 
 class Task(Protocol):
+    throughput_unit: str  # what throughput counts: "tokens" (language models) or "examples"
+    batch_unit: str  # what the effective batch counts: "sequences" or "examples"
+    perplexity: bool  # eval adds `ppl`, exp(loss)
+    metrics: list  # the metrics each eval computes beside the loss (tasks/metrics.py)
+
     def build(self, accelerator) -> TaskData:
         """The model and the train/val sets. Every rank calls it; data preparation happens once (main first)."""
 
@@ -30,8 +35,8 @@ class Task(Protocol):
         """Per example of a validation batch, its summed loss and the number of tokens it covers: the eval loss
         is their ratio over the whole split (each token weighs the same)."""
 
-    def tokens(self, batch) -> int:
-        """Tokens the batch trains on (throughput, `train/tokens_seen`)."""
+    def count(self, batch) -> int:
+        """How much of `throughput_unit` the batch trains on (throughput, `train/<unit>_seen`)."""
 
     def export(self, model, state_dict: dict, out: Path) -> None:
         """Write the trained model (unwrapped, with its full state dict) into `out` on the main process: each

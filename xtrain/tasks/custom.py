@@ -90,6 +90,7 @@ def build_datasets(cfg: RunConfig) -> tuple:
 
 class Custom:
     throughput_unit = "examples"
+    batch_unit = "examples"  # what the effective batch counts
     perplexity = False
 
     def __init__(self, cfg: RunConfig):
@@ -167,7 +168,7 @@ class Custom:
     def predict(self, outputs: torch.Tensor) -> torch.Tensor:
         return predictions(outputs)
 
-    def tokens(self, batch) -> int:
+    def count(self, batch) -> int:
         """Examples the batch trains on (the throughput's unit for this task)."""
         return len(split_of(batch)[1])
 

@@ -28,7 +28,7 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     if cfg.model.lora.enabled:
         from xtrain.tasks import lora
 
-        trainable = lora.check(meta, cfg.model.lora)
+        trainable = lora.trainable_parameters(meta, cfg.model.lora)
     hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
     if hidden is None:  # a module without a transformers config: ZeRO's buckets sized by its largest weight
         hidden = max((int(p.numel() ** 0.5) for p in meta.parameters()), default=1)

@@ -37,7 +37,7 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def check(meta_model, lora: LoraConfig) -> int:
+def trainable_parameters(meta_model, lora: LoraConfig) -> int:
     """Refuse targets that name no module; the number of parameters LoRA trains (counted, not built)."""
     modules = dict(meta_model.named_modules())
     linear = {name: m for name, m in modules.items() if isinstance(m, torch.nn.Linear)}

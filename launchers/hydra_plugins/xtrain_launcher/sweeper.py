@@ -57,7 +57,7 @@ class OptunaSweeper(Sweeper):
         sampler = study_settings.sampler_spec(s.pop("sampler"), s.pop("seed"))
         study_settings.make_sampler(sampler)
         pruner_settings = s.pop("pruner_settings")
-        settings = study_settings.check(study_settings.StudySettings(
+        settings = study_settings.validated(study_settings.StudySettings(
             storage=study_settings.storage_path(s.pop("storage"), self.sweep_dir),
             study_name=s.pop("study_name") or self.sweep_dir.name,
             sampler=sampler,

@@ -32,7 +32,7 @@ log = logging.getLogger("xtrain")
 def resolve(cfg: RunConfig) -> RunConfig:
     """On the submitting machine: GPUs and CPUs per node from the partition (on a node: resolved already). A dry
     run where SLURM is not assumes what `assumed` says."""
-    if not hardware.submitting_to_slurm(cfg):
+    if not hardware.submitting_to_slurm(cfg.cluster):
         return cfg
     return assumed(cfg) if cfg.dry_run and not slurm_here() else resolve_request(cfg)
 
@@ -48,7 +48,7 @@ def describe(cfg: RunConfig, script: bool = True) -> str:
                      "cluster.gpus_per_node and cluster.cpus_per_task to plan the request you will make")
     preflight.check_free(cfg)
     preflight.preflight(cfg, planning=True)
-    lines += [plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)), request_line(cfg)]
+    lines += [plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)), request_line(cfg.cluster)]
     if script:
         lines.append(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, Path(cfg.run_dir) / LOGS)}")
     return "\n".join(lines)
@@ -65,8 +65,8 @@ def run(cfg: RunConfig) -> dict:
     # sbatch refused (or the controller went away since the checks): the run dir as it was
     with preflight.taken_back_if_refused(Path(cfg.run_dir)):
         path = preflight.write_run_dir(cfg, facts)
-        log.info("%s", request_line(cfg))
-        [job] = submit([(job_parameters(cfg), [path])], folder)
+        log.info("%s", request_line(cfg.cluster))
+        [job] = submit([(job_parameters(cfg.cluster), [path])], folder)
     log.info("submitted SLURM job %s: run dir %s", job.job_id, path)
     if not cfg.cluster.wait:
         log.info("not waiting (cluster.wait=false); see it with: python -m xtrain.status %s", path)
@@ -100,7 +100,7 @@ def arrays(points: list[Point], array_parallelism: int) -> list[tuple[dict, list
     """The points in job arrays: one per set of job parameters."""
     groups: dict[str, tuple[dict, list[Point]]] = {}
     for point in points:
-        params = {**job_parameters(point.cfg), "array_parallelism": array_parallelism}
+        params = {**job_parameters(point.cfg.cluster), "array_parallelism": array_parallelism}
         groups.setdefault(json.dumps(params, sort_keys=True), (params, []))[1].append(point)
     return list(groups.values())
 
@@ -151,7 +151,7 @@ def run_workers(worker: Callable[[str], dict], cfg: RunConfig, sweep_dir: Path, 
     for path in paths:  # (a resumed study's: what the last array's worker recorded is not this one's)
         path.mkdir(parents=True, exist_ok=True)
         rundir.update_result(path, {"status": rundir.Status.running.value}, fresh=True)
-    jobs = submit([({**job_parameters(cfg), "array_parallelism": count}, paths)], sweep_dir / LOGS, function=worker)
+    jobs = submit([({**job_parameters(cfg.cluster), "array_parallelism": count}, paths)], sweep_dir / LOGS, function=worker)
     for i, job in enumerate(jobs):
         job.label = f"worker {i}"
     log.info("study: %d worker(s) as SLURM job %s", count, jobs[0].job_id.split("_")[0])

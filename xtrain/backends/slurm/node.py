@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from xtrain.backends.slurm.monitor import query
+from xtrain.config.cluster import ClusterConfig
 from xtrain.config.schema import RunConfig
 from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, LaunchFailed, Stopped
@@ -75,7 +76,7 @@ def run_node(run_dir: str) -> dict:
             return (local.run_recorded if first else local.run_here)(cfg, path)
         except Stopped:
             if first:
-                requeue_or_end(cfg, path)
+                requeue_or_end(cfg.cluster, path)
             return {"status": "stopped"}
         except LaunchFailed as err:
             if err.exit_code < 128:
@@ -92,14 +93,14 @@ def restart_count() -> int:
     return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
-def requeue_or_end(cfg: RunConfig, path: Path) -> None:
+def requeue_or_end(cluster: ClusterConfig, path: Path) -> None:
     """After a stop at a step boundary (every rank has saved): requeue this job, unless it has been
     restarted `cluster.max_requeues` times already; then the run ends `interrupted`, resumable by hand.
     After SIGTERM, SLURM's own way of ending a job, what happens next is SLURM's (it may requeue it)."""
     import submitit
 
     result = rundir.read_result(path)
-    stop, limit, restarts = result["stop"], cfg.cluster.max_requeues, restart_count()
+    stop, limit, restarts = result["stop"], cluster.max_requeues, restart_count()
     stopped = f"stopped by {stop['signal']} at step {stop['step']} with a checkpoint"
     if stop["signal"] == "SIGTERM":  # SLURM itself is ending the job (scancel, scontrol requeue, time limit)
         log.info("%s; SLURM is ending the job", stopped)

@@ -140,9 +140,9 @@ def check_not_running(path: Path, run_dir: Path) -> None:
                           f"there; wait for it (python -m xtrain.status {run_dir}) or scancel {job.job_id}")
 
 
-def request_line(cfg: RunConfig) -> str:
+def request_line(cluster: ClusterConfig) -> str:
     """What the job asks SLURM for, in words (the plan's line; `on CPUs` where it asks for no GPU)."""
-    c = cfg.cluster
+    c = cluster
     gpus = f"{c.gpus} GPU(s)" if c.gpus else "no GPU: on CPUs"
     partition = partition_of(c).name if slurm_here() else (c.partition or "(the default)")
     return (f"slurm request: {c.nodes} node(s) of partition {partition}, each one task of "
@@ -167,11 +167,11 @@ def interpreter(c: ClusterConfig) -> str:
     return "python3" if c.container_image else shlex.quote(sys.executable)
 
 
-def job_parameters(cfg: RunConfig) -> dict:
+def job_parameters(cluster: ClusterConfig) -> dict:
     """submitit's SlurmExecutor parameters for this run (the #SBATCH lines, the setup, the srun line)."""
     from submitit.slurm.slurm import _convert_mem
 
-    c = cfg.cluster
+    c = cluster
     params: dict = {
         "job_name": c.job_name, "nodes": c.nodes, "ntasks_per_node": 1, "time": time_limit_minutes(c.time_limit),
         "setup": list(c.setup), "srun_args": srun_arguments(c), "stderr_to_stdout": True,
@@ -216,7 +216,7 @@ def sbatch_script(cfg: RunConfig, folder: Path, array: int | None = None, array_
     """The script `submit` would hand to sbatch (for dry_run): one job, or a job array of `array` tasks."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = job_parameters(cfg)
+    params = job_parameters(cfg.cluster)
     command = f"{params.pop('python')} -u -m submitit.core._submit {folder}"
     if array is not None:
         params.update(map_count=array, array_parallelism=array_parallelism)

@@ -24,6 +24,7 @@ EVAL_CHUNK_ELEMENTS = 1 << 27  # fp32 logits (512 MB) that exist at once while a
 
 class CausalLM:
     throughput_unit = "tokens"
+    batch_unit = "sequences"  # what the effective batch counts
     perplexity = True
     metrics: list = []
 
@@ -75,7 +76,7 @@ class CausalLM:
         """Each sequence's summed next-token loss over its trained tokens, and their number."""
         return sequence_losses(model(**inputs(batch)).logits, targets(batch))
 
-    def tokens(self, batch) -> int:
+    def count(self, batch) -> int:
         """Trained tokens: every token of a text block; the unmasked, unpadded ones of examples."""
         if "labels" in batch:
             return int((batch["labels"] != IGNORE).sum())
