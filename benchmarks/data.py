@@ -106,13 +106,13 @@ def loader_tokens_per_s(corpus: Path, cache: Path, batches: int = 2000) -> float
 
     from xtrain.commands import cli
     from xtrain.config import schema
-    from xtrain.data import lm
+    from xtrain.tasks.causal_lm.task import CausalLM
     from hydra import compose, initialize_config_module
 
     cli.register_schemas()
     with initialize_config_module("xtrain.conf", version_base="1.3"):
         cfg = schema.from_container(compose("config", overrides=["data=text", f"data.files=[{corpus}]"]))
-    train_set, _ = lm.prepare(cfg.data, cfg.model).splits()
+    train_set, _ = CausalLM(cfg).prepare().splits()
     loader = torch.utils.data.DataLoader(train_set, batch_size=16, shuffle=True, drop_last=True)
     done, start = 0, time.perf_counter()
     while done < batches:  # epochs, as the trainer's loader goes on

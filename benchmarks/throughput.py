@@ -30,7 +30,7 @@ from xtrain.backends.registry import resolve_auto
 from xtrain.commands import cli
 from xtrain.config import schema
 from xtrain.core import rundir
-from xtrain.data import lm
+from xtrain.tasks.causal_lm.task import CausalLM
 from xtrain.engine.loop import train
 from xtrain.engine.optim import build_optimizer, lr_factor
 from xtrain.launch import preflight
@@ -75,7 +75,7 @@ def raw_loop_tokens_per_s(cfg: schema.RunConfig, steps: int) -> float:
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     set_seed(cfg.trainer.seed)
-    prepared = lm.prepare(cfg.data, cfg.model)
+    prepared = CausalLM(cfg).prepare()
     tokenizer, (train_set, _) = prepared.tokenizer, prepared.splits()
     model = models.build(cfg.model, tokenizer, cfg.data.block_size)
     optimizer = build_optimizer(model, cfg)

@@ -39,10 +39,10 @@ def entries(cache: Path) -> list[Path]:
 
 
 def prepare(*overrides: str):
-    from xtrain.data import lm
+    from xtrain.tasks.causal_lm.task import CausalLM
 
     cfg = compose_run(*overrides)
-    return lm.prepare(cfg.data, cfg.model)
+    return CausalLM(cfg).prepare()
 
 
 def write_formats(root: Path, docs: list[str]) -> dict[str, Path]:

@@ -30,10 +30,10 @@ def sft(model_dir: Path, files, *more: str) -> list[str]:
 
 
 def prepared(model_dir: Path, files, *more: str):
-    from xtrain.data import lm
+    from xtrain.tasks.causal_lm.task import CausalLM
 
     cfg = compose_run(*sft(model_dir, files, *more))
-    return lm.prepare(cfg.data, cfg.model)
+    return CausalLM(cfg).prepare()
 
 
 def examples(entry) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -81,10 +81,10 @@ def test_the_mask_is_exactly_the_assistant_tokens_in_every_shape(tmp_path, tiny)
     rows.save_to_disk(str(tmp_path / "saved"))
     for source in ([tmp_path / "pc.parquet"], [tmp_path / "pc.json"]):
         assert [(i.tolist(), m.tolist()) for i, m in examples(prepared(tiny, source))] == masks["messages"]
-    from xtrain.data import lm
+    from xtrain.tasks.causal_lm.task import CausalLM
 
     cfg = compose_run("model=hf", f"model.name_or_path={tiny}", "data=sft", f"data.name={tmp_path / 'saved'}")
-    assert [(i.tolist(), m.tolist()) for i, m in examples(lm.prepare(cfg.data, cfg.model))] == masks["messages"]
+    assert [(i.tolist(), m.tolist()) for i, m in examples(CausalLM(cfg).prepare())] == masks["messages"]
     everything = prepared(tiny, [tmp_path / "messages.jsonl"], "data.train_on=all")
     assert all(mask.all() for _, mask in examples(everything))
 
@@ -113,7 +113,7 @@ def test_packed_examples_never_attend_to_one_another(tmp_path, tiny):
     losses in the block are those it has alone."""
     from transformers import AutoModelForCausalLM
 
-    from xtrain.data.sft import Examples
+    from xtrain.tasks.causal_lm.sft import Examples
 
     entry = prepared(tiny, [write_facts(tmp_path / "f.jsonl", "messages", facts(1)[:40])], "data.block_size=200",
                      "data.val_fraction=0.1")
@@ -138,7 +138,7 @@ def test_packed_examples_never_attend_to_one_another(tmp_path, tiny):
 
 
 def test_packing_fills_blocks_and_keeps_every_example_once():
-    from xtrain.data.sft import pack
+    from xtrain.tasks.causal_lm.sft import pack
 
     lengths = np.random.default_rng(0).integers(40, 475, size=400)
     order, bounds = pack(lengths, 512)
@@ -150,7 +150,7 @@ def test_packing_fills_blocks_and_keeps_every_example_once():
 def test_padding_instead_of_packing_gives_the_same_losses(tmp_path, tiny):
     from transformers import AutoModelForCausalLM
 
-    from xtrain.data.sft import PadToLongest
+    from xtrain.data.collate import PadToLongest
     from xtrain.tasks.causal_lm.task import inputs, sequence_losses
 
     path = write_facts(tmp_path / "f.jsonl", "messages", facts(1)[:12])

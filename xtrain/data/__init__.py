@@ -1,11 +1,9 @@
-"""Data: a corpus prepared once into a cache of token blocks, then read by every rank.
-
-sources.py (documents, in order, from files, datasets or the bundled corpus) → tokenize.py (token ids, in
-parallel) → cache.py (the content-keyed entry: tokens, the split, its record; once, under a lock) →
-blocks.py (the train and val sets, a block per read). Instruction and chat examples (`data=sft`) take
-chat.py (rendering and the answer mask) and sft.py (their entry, packed or one per item) instead;
-lm.py picks between the two. Labelled records (labelled.py) and images (images.py) use the same cache. `lm.prepare` runs outside any training collective: in the
-driver before workers start, in a SLURM job before torchrun, or ahead of time (`python -m xtrain.prepare`).
+"""Data preparation outside the ranks, shared by the tasks: sources.py (documents or records, in order, from files,
+Hugging Face datasets or the bundled corpus), cache.py (a content-keyed entry, written once under a lock, and
+the held-out split), collate.py (batches padded to their longest item), and the classification tasks' prepared
+forms: labelled.py (text records with labels) and images.py (image folders and arrays). A causal LM's token blocks
+and chat examples are prepared by tasks/causal_lm/. Preparation runs in the driver before workers start, in a
+SLURM job before torchrun, or ahead of time (`python -m xtrain.prepare`), never inside a training collective.
 
 May import: core, config.
 """

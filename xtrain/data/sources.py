@@ -9,6 +9,7 @@ whole in memory: a source yields its documents in batches.
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import hashlib
@@ -235,10 +236,19 @@ class Rows:
     """A datasets `Dataset` (memory-mapped Arrow, or in memory for pydoc): its text column, in row order."""
 
     def __init__(self, ds, column: str, fingerprint: str, name: str):
-        if column not in ds.column_names:
-            raise ConfigError(f"data.text_column={column}: not a column of {name}; choose one of {', '.join(ds.column_names)}")
-        self.ds, self.column, self.fingerprint, self.name = ds.select_columns([column]), column, fingerprint, name
+        """`ds`: the dataset, or what makes it when it is first read (a source found prepared is never read)."""
+        self._ds, self.column, self.fingerprint, self.name = ds, column, fingerprint, name
         self.total_bytes = None
+        if not callable(ds):
+            self.ds  # noqa: B018 (its column checked now)
+
+    @functools.cached_property
+    def ds(self):
+        ds = self._ds() if callable(self._ds) else self._ds
+        if self.column not in ds.column_names:
+            raise ConfigError(f"data.text_column={self.column}: not a column of {self.name}; choose one of "
+                              f"{', '.join(ds.column_names)}")
+        return ds.select_columns([self.column])
 
     def batches(self, counts: Counts) -> Iterator[list[str]]:
         where = lambda i: f"{self.name} row {i}"  # noqa: E731
@@ -258,15 +268,19 @@ class Rows:
         yield from within(texts(), budget_chars)
 
 
-def open_source(data: DataConfig) -> Files | Rows:
-    """The configured source, ready to read (cheap: files are only listed, datasets memory-mapped)."""
+def in_memory(texts: list[str]):
     import datasets
 
+    return datasets.Dataset.from_dict({"text": texts})
+
+
+def open_source(data: DataConfig) -> Files | Rows:
+    """The configured source, ready to read (cheap: files are only listed, datasets memory-mapped)."""
     if data.source is DataSource.pydoc:
         from pydoc_data.topics import topics
 
         texts = [topics[key] for key in sorted(topics)]
-        return Rows(datasets.Dataset.from_dict({"text": texts}), "text", sha("pydoc", *texts), "pydoc topics")
+        return Rows(lambda: in_memory(texts), "text", sha("pydoc", *texts), "pydoc topics")
     if data.source is DataSource.text:
         return Files(data)
     ds = load_hf(data)

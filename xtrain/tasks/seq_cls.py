@@ -16,7 +16,7 @@ from xtrain.config.schema import RunConfig
 from xtrain.config.task import PROBLEM_TYPES, Problem
 from xtrain.core.errors import ConfigError
 from xtrain.data import labelled
-from xtrain.data.sft import PadToLongest
+from xtrain.data.collate import PadToLongest
 from xtrain.tasks import lora
 from xtrain.tasks import pretrained
 from xtrain.tasks import metrics as built_in

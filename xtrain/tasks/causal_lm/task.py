@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from xtrain.config.schema import DataSource, ModelSource, RunConfig
-from xtrain.data import lm, sources
+from xtrain.data import sources
 from xtrain.distributed import plugins
-from xtrain.tasks import lora
-from xtrain.tasks import pretrained
+from xtrain.tasks import lora, pretrained
 from xtrain.tasks.base import TaskData
 from xtrain.tasks.causal_lm import model as models
 
@@ -43,7 +42,13 @@ class CausalLM:
 
     def prepare(self):
         """The corpus prepared into the cache (or found there): what `build` then reads."""
-        return lm.prepare(self.cfg.data, self.cfg.model)
+        if self.cfg.data.source is DataSource.sft:
+            from xtrain.tasks.causal_lm import sft
+
+            return sft.prepare(self.cfg.data, self.cfg.model)
+        from xtrain.tasks.causal_lm import corpus
+
+        return corpus.prepare(self.cfg.data, self.cfg.model)
 
     def on_meta(self):
         return models.on_meta(self.cfg.model, self.cfg.data.block_size)
@@ -53,7 +58,7 @@ class CausalLM:
         # The driver prepared the data before this worker started (backends/local.py): this reads the cache. A
         # rank that finds it missing prepares it under the cache's lock, while the others wait on the lock, not
         # in a collective.
-        prepared = lm.prepare(cfg.data, cfg.model)
+        prepared = self.prepare()
         self.tokenizer = prepared.tokenizer
         train_set, val_set = prepared.splits()
         # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
@@ -64,7 +69,8 @@ class CausalLM:
             return TaskData(model, train_set, val_set, unit="blocks", unit_note=f" of {cfg.data.block_size} tokens")
         if cfg.data.packing:
             return TaskData(model, train_set, val_set, unit="packed blocks", unit_note=f" of {cfg.data.block_size} tokens")
-        from xtrain.data.sft import IGNORE as NOT_TRAINED, PadToLongest
+        from xtrain.data.collate import PadToLongest
+        from xtrain.tasks.causal_lm.sft import IGNORE as NOT_TRAINED
 
         pads = {"input_ids": self.tokenizer.pad_token_id, "labels": NOT_TRAINED}
         return TaskData(model, train_set, val_set, unit="examples", collate=PadToLongest(pads))

@@ -30,10 +30,11 @@ from torch.utils.data import Dataset
 from xtrain.config.schema import DataConfig, ModelConfig, TrainOn
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
-from xtrain.data import chat
-from xtrain.data.cache import VAL_SPLIT_SEED, PreparingProgress, build_once, node_name, pretrained_tokenizer
+from xtrain.tasks.causal_lm import chat
+from xtrain.data.cache import VAL_SPLIT_SEED, build_once, node_name
+from xtrain.tasks.causal_lm.corpus import PreparingProgress, pretrained_tokenizer
 from xtrain.data.sources import TEXT, Counts, Files, cache_dir, file_format, load_hf, raw_batches, sha
-from xtrain.data.tokenize import ordered_map
+from xtrain.tasks.causal_lm.tokenize import ordered_map
 
 log = logging.getLogger("xtrain")
 
@@ -286,25 +287,3 @@ class Examples(Dataset):
     def __del__(self, close=os.close) -> None:
         for fd in getattr(self, "_fds", None) or ():
             close(fd)
-
-
-class PadToLongest:
-    """Collate items into a batch padded on the right to its longest `input_ids`: `attention_mask` marks the real
-    tokens; each key of `pads` is padded with its value, any other is stacked (a classifier's labels)."""
-
-    def __init__(self, pads: dict[str, int]):
-        self.pads = pads
-
-    def __call__(self, items: list[dict]) -> dict:
-        longest = max(len(item["input_ids"]) for item in items)
-        batch = {"attention_mask": torch.zeros((len(items), longest), dtype=torch.long)}
-        for key in items[0]:
-            if key not in self.pads:
-                batch[key] = torch.stack([item[key] for item in items])
-                continue
-            batch[key] = torch.full((len(items), longest), self.pads[key], dtype=torch.long)
-            for row, item in enumerate(items):
-                batch[key][row, :len(item[key])] = item[key]
-        for row, item in enumerate(items):
-            batch["attention_mask"][row, :len(item["input_ids"])] = 1
-        return batch
