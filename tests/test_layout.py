@@ -4,6 +4,7 @@ module imports in a cycle, and result.json has one writer."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +129,13 @@ def test_each_layer_says_what_it_holds_and_may_import_and_no_init_does_more():
             below = [n for names in LAYERS[:rank(name + ".x")] for n in names if n != "conf"]
             expected = f"May import: {', '.join(below)}." if below else "May import: nothing of xtrain."
             assert docstring.splitlines()[-1] == expected, name
+
+
+def test_the_architecture_page_draws_the_layers_the_folders_hold():
+    page = (REPO / "docs" / "concepts" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)/` \|", page, re.M)
+    assert rows == [name for names in LAYERS for name in names if name != "conf"]
+    assert sorted(rows) == sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() and p.name != "conf")
 
 
 def test_imports_point_one_way():

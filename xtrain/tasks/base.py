@@ -25,6 +25,19 @@ class Task(Protocol):
     perplexity: bool  # eval adds `ppl`, exp(loss)
     metrics: list  # the metrics each eval computes beside the loss (tasks/metrics.py)
 
+    def check(self) -> None:
+        """On the driver, before anything launches: what the config cannot say is wrong (files, imports, a model's
+        config); raises ConfigError."""
+
+    def identity(self) -> dict:
+        """What a checkpoint must match to be resumed into this task's model."""
+
+    def prepare(self):
+        """The data prepared once, outside the ranks (the driver, a SLURM job before torchrun, xtrain.prepare)."""
+
+    def on_meta(self):
+        """The model on the meta device: its parameters counted and its blocks found without memory."""
+
     def build(self, accelerator) -> TaskData:
         """The model and the train/val sets. Every rank calls it; data preparation happens once (main first)."""
 
@@ -34,6 +47,9 @@ class Task(Protocol):
     def eval_losses(self, model, batch):
         """Per example of a validation batch, its summed loss and the number of tokens it covers: the eval loss
         is their ratio over the whole split (each token weighs the same)."""
+
+    def eval_outputs(self, model, batch):
+        """For tasks with `metrics`: `eval_losses`' two tensors, then each example's prediction and target."""
 
     def count(self, batch) -> int:
         """How much of `throughput_unit` the batch trains on (throughput, `train/<unit>_seen`)."""
