@@ -108,6 +108,8 @@ def test_a_resume_may_change_when_things_happen_and_records_it(killed_at_4):
     restart entry, and the weights are the unbroken run's."""
     cadence = ["trainer.log_every=2", "trainer.eval_every=2", "trainer.keep_checkpoints=1", "tracker=tensorboard",
                "cluster.timeout_s=300"]
+    state = killed_at_4 / "checkpoints" / "step_00000004" / "xtrain_state.json"  # as earlier versions wrote it
+    state.write_text(state.read_text().replace('"seen":', '"tokens_seen":'))
     run_xtrain(f"run_dir={killed_at_4}", *EIGHT, *cadence, "resume=auto")
     result = read_result(killed_at_4)
     assert result["status"] == "completed" and result["steps"] == 8
@@ -117,6 +119,8 @@ def test_a_resume_may_change_when_things_happen_and_records_it(killed_at_4):
     run_yaml = (killed_at_4 / "run.yaml").read_text()
     assert "log_every: 2" in run_yaml and "kind: tensorboard" in run_yaml
     assert [r["step"] for r in read_metrics(killed_at_4) if "train/loss" in r] == [1, 2, 3, 4, 6, 8]
+    seen = {r["step"]: r["train/tokens_seen"] for r in read_metrics(killed_at_4) if "train/tokens_seen" in r}
+    assert seen[8] == 2 * seen[4] == 8 * 16 * 128  # the count went on from the checkpoint's
     from safetensors.torch import load_file
 
     unbroken = load_file(killed_at_4.parent / "unbroken_model" / "model.safetensors")
