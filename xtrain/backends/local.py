@@ -91,7 +91,7 @@ def run_here(cfg: RunConfig, path: Path, data_ready: bool = False) -> dict:
             cfg.cluster.nodes, cfg.cluster.processes_per_node, cfg.cluster.node_rank,
             supervisor.threads_per_process(cfg.cluster.processes_per_node),
         )
-        result = supervisor.run(cfg, path)
+        result = supervisor.run(cfg.cluster, path)
     stop = result.get("stop") if result.get("status") == rundir.Status.interrupted else None
     if stop:
         raise Stopped(

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain.config import schema
-from xtrain.config.schema import Export, Precision, RunConfig, Strategy
+from xtrain.config.schema import Export, Precision, RunConfig, Strategy, TrainerConfig
 from xtrain.core import machine, memory, rundir, stopping
 from xtrain.core.errors import ConfigError, Diverged
 from xtrain.core.files import replace_dir
@@ -148,10 +148,10 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
     return progress, last_logged, changed
 
 
-def resume_setting(cfg: RunConfig, run_dir: Path) -> str:
+def resume_setting(resume: str, run_dir: Path) -> str:
     """`resume` as run.yaml has it, except in a requeued SLURM job: that continues its own newest checkpoint."""
     restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
-    return "auto" if restarted and checkpoint.newest(run_dir) is not None else cfg.resume
+    return "auto" if restarted and checkpoint.newest(run_dir) is not None else resume
 
 
 def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume_from: Path | None,
@@ -208,7 +208,7 @@ def _train(run_dir: Path) -> dict:
     # preflight (hardware.check) refuses what Accelerate would silently run in fp32
     assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg.strategy), "no autocast"
     set_seed(t.seed)
-    resume_from = checkpoint.resolve(resume_setting(cfg, run_dir), run_dir, checkpoint.identity(cfg))
+    resume_from = checkpoint.resolve(resume_setting(cfg.resume, run_dir), run_dir, checkpoint.identity(cfg))
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator, task_for(cfg))
@@ -234,7 +234,7 @@ def _train(run_dir: Path) -> dict:
     train_start, seen_at_start = time.time(), progress.seen
     if start_step == 0:
         result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
-        judge(accelerator, cfg, c, progress, result, run_dir)
+        judge(accelerator, cfg.trainer, c, progress, result, run_dir)
     batches = _recording_first_batch(
         sampler.micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
@@ -262,11 +262,11 @@ def _train(run_dir: Path) -> dict:
     accelerator.end_training()  # destroys the process group: no collective after it
     if accelerator.num_processes > 1:
         _HELD_UNTIL_EXIT.append((accelerator, c))
-    return finish(cfg, accelerator, result, stop, run_dir, (progress.seen - seen_at_start) / wall,
+    return finish(cfg.trainer, accelerator, result, stop, run_dir, (progress.seen - seen_at_start) / wall,
                   c.task.throughput_unit, process_start, wall)
 
 
-def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
+def finish(trainer: TrainerConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
            per_s: float, c_unit: str, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     pruned = stop is not None and stop["signal"] == pruning.PRUNER
@@ -278,7 +278,7 @@ def finish(cfg: RunConfig, accelerator: Accelerator, result: dict, stop: dict | 
         train_time_s=round(wall, 3),
     )
     if early:
-        result["early_stop"] = {"step": stop["step"], "patience": cfg.trainer.early_stop_patience,
+        result["early_stop"] = {"step": stop["step"], "patience": trainer.early_stop_patience,
                                 "best_step": result["monitor"]["best_step"]}
     elif pruned:
         result.update(stop=stop, error=f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved")
@@ -299,7 +299,7 @@ def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, 
     t = cfg.trainer
     for step in range(p.step + 1, t.max_steps + 1):
         loss_sum, count = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
-        loss, per_step, stop = agree_on_step(accelerator, loss_sum, count, t.grad_accum, step, p.last_finite, cfg)
+        loss, per_step, stop = agree_on_step(accelerator, loss_sum, count, t.grad_accum, step, p.last_finite, cfg.trainer)
         p.step, p.last_finite = step, (step, loss)
         p.skipped += accelerator.optimizer_step_was_skipped
         p.window.loss_sum += loss
@@ -346,7 +346,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     if step % t.eval_every == 0 or last:
         result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
         p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
-        judge(accelerator, cfg, c, p, result, run_dir, last)
+        judge(accelerator, cfg.trainer, c, p, result, run_dir, last)
         p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
     if step % t.save_every == 0 or last:
         save_checkpoint(accelerator, cfg, run_dir, p)
@@ -354,13 +354,13 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     return False
 
 
-def judge(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
+def judge(accelerator: Accelerator, trainer: TrainerConfig, c: Components, p: Progress, result: dict, run_dir: Path,
           last: bool = False) -> None:
     """After an eval: `trainer.monitor`'s verdict; `export=best` exports the model where it improved."""
-    improved, p.early_stop = p.monitor.judge(accelerator, p.step, result, cfg.trainer)
+    improved, p.early_stop = p.monitor.judge(accelerator, p.step, result, trainer)
     p.early_stop = p.early_stop and not last
     result["monitor"] = p.monitor.state()
-    if improved and cfg.trainer.export is Export.best:
+    if improved and trainer.export is Export.best:
         save_model(accelerator, c, run_dir)
         result["model_step"] = p.step
 
@@ -396,7 +396,7 @@ def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum:
 
 
 def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, grad_accum: int, step: int,
-                  last_finite: tuple[int, float] | None, cfg: RunConfig) -> tuple[float, int, bool]:
+                  last_finite: tuple[int, float] | None, trainer: TrainerConfig) -> tuple[float, int, bool]:
     """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
     the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
     every rank alike (all see the mean)."""
@@ -411,7 +411,7 @@ def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, 
         before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
         raise Diverged(
             f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
-            f"(now {cfg.trainer.lr:g}) or raise trainer.warmup_steps (now {cfg.trainer.warmup_steps})"
+            f"(now {trainer.lr:g}) or raise trainer.warmup_steps (now {trainer.warmup_steps})"
         )
     return loss, round(mean_count * accelerator.num_processes), stop > 0
 

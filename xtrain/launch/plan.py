@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from xtrain.config.schema import RunConfig, Strategy, TargetModel
+from xtrain.config.schema import ModelConfig, RunConfig, Strategy, TargetModel
 from xtrain.distributed import plugins
 from xtrain.distributed.estimate import GB, Memory, first_fit, model_state_memory
 from xtrain.tasks.facts import model_facts
@@ -56,7 +56,7 @@ def render(plan: Plan) -> str:
         f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
         + (f"sequences = {effective * cfg.data.block_size} tokens per optimizer step" if hasattr(cfg.data, "block_size")
            else "examples per optimizer step"),
-        f"  model        {_model_name(cfg)}: {plan.n_params:,} parameters (counted on the meta device)"
+        f"  model        {_model_name(cfg.model)}: {plan.n_params:,} parameters (counted on the meta device)"
         + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
         f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}",
@@ -87,7 +87,7 @@ def size(n_bytes: float) -> str:
     return f"{n_bytes / GB:.2f} GB" if n_bytes >= 0.1 * GB else f"{n_bytes / 1e6:.1f} MB"
 
 
-def _model_name(cfg: RunConfig) -> str:
-    if isinstance(cfg.model, TargetModel):
-        return f"{cfg.model.target} (by _target_)"
-    return cfg.model.name_or_path if cfg.model.name_or_path else f"{cfg.model.arch.value} (built from config)"
+def _model_name(model: ModelConfig | TargetModel) -> str:
+    if isinstance(model, TargetModel):
+        return f"{model.target} (by _target_)"
+    return model.name_or_path if model.name_or_path else f"{model.arch.value} (built from config)"

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from xtrain.config import schema
-from xtrain.config.cluster import ClusterKind
+from xtrain.config.cluster import ClusterConfig, ClusterKind
 from xtrain.config.schema import Offload, RunConfig
 from xtrain.core import machine, rundir
 from xtrain.core.errors import ConfigError
@@ -96,13 +96,13 @@ LAUNCH_FILE = "launch.json"  # node 0's token for this launch (cluster=local wit
 TOKEN_KEY = "xtrain/launch"
 
 
-def _store(cfg: RunConfig, serve: bool):
+def _store(cluster: ClusterConfig, serve: bool):
     """The rendezvous port's TCP store, for the launch handshake only (torchrun takes the port after it)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    c = cfg.cluster
+    c = cluster
     return TCPStore(c.main_process_ip, c.main_process_port, None, serve, timedelta(seconds=c.timeout_s),
                     wait_for_workers=False)
 
@@ -111,7 +111,7 @@ def announce(cfg: RunConfig, path: Path) -> None:
     """Node 0, its run dir written: a fresh token in it and on the rendezvous port, until every node has it."""
     token = uuid.uuid4().hex
     write_atomic(path / LAUNCH_FILE, json.dumps({"token": token, "nodes": cfg.cluster.nodes}) + "\n")
-    store = _store(cfg, serve=True)
+    store = _store(cfg.cluster, serve=True)
     store.set(TOKEN_KEY, token)
     deadline = time.time() + cfg.cluster.timeout_s
     while store.add(f"{TOKEN_KEY}/acks", 0) < cfg.cluster.nodes - 1:
@@ -128,7 +128,7 @@ def wait_for_run_dir(cfg: RunConfig) -> Path:
     """Nodes other than 0 use the run dir node 0 writes for this launch (a shared filesystem): they learn its
     token at the rendezvous port, whichever node started first, and read run.yaml once the token is there."""
     try:
-        store = _store(cfg, serve=False)
+        store = _store(cfg.cluster, serve=False)
         token = store.get(TOKEN_KEY).decode()
     except (RuntimeError, TimeoutError) as err:  # torch's DistStoreError is a RuntimeError
         raise ConfigError(

@@ -23,7 +23,7 @@ from typing import Callable
 
 import psutil
 
-from xtrain.config.schema import RunConfig
+from xtrain.config.cluster import ClusterConfig
 from xtrain.core import machine, rundir, stopping
 from xtrain.core.errors import ConfigError, LaunchFailed
 from xtrain.core.rundir import ERRORS_DIR
@@ -224,9 +224,9 @@ def recorded_its_end(result: dict, before: dict) -> bool:
     return result != before and (status in (rundir.Status.completed, rundir.Status.pruned) or stopped)
 
 
-def run(cfg: RunConfig, run_dir: Path) -> dict:
+def run(cluster: ClusterConfig, run_dir: Path) -> dict:
     """The CLI's multi-process run: workers train from the run dir; failures become LaunchFailed / ConfigError."""
-    c = cfg.cluster
+    c = cluster
     topology = Topology(c.nodes, c.node_rank, c.processes_per_node, c.main_process_ip, c.main_process_port)
     with stopping.on(()):  # this run's stop request (a signal to this driver), not an earlier one's
         before = rundir.read_result(run_dir)  # a resumed run's shows how its last attempt ended

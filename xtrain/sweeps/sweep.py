@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from xtrain.backends.registry import resolve_auto
 from xtrain.config import schema
 from xtrain.config.point import Point
-from xtrain.config.schema import RunConfig
+from xtrain.config.schema import TrainerConfig
 from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, SweepFailed, explain
 from xtrain.core.rundir import Status
@@ -99,9 +99,9 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
     return Point(num, swept, cfg)
 
 
-def completed(path: Path, cfg: RunConfig) -> bool:
+def completed(path: Path, trainer: TrainerConfig) -> bool:
     done = rundir.read_result(path)
-    return done.get("status") == Status.completed and done.get("steps", 0) >= cfg.trainer.max_steps
+    return done.get("status") == Status.completed and done.get("steps", 0) >= trainer.max_steps
 
 
 def check_same_config(point: Point) -> None:
@@ -138,7 +138,7 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
         try:
             if point.cfg.resume == "auto":
                 check_same_config(point)
-                if completed(point.path, point.cfg):
+                if completed(point.path, point.cfg.trainer):
                     continue
             preflight.check_free(point.cfg)
         except ConfigError as err:
@@ -158,7 +158,7 @@ def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
         try:
             if point.cfg.resume == "auto":
                 check_same_config(point)
-                if completed(point.path, point.cfg):
+                if completed(point.path, point.cfg.trainer):
                     print(f"point {point.num} ({point.label}): completed in {point.path}; a resumed sweep skips it\n")
                     continue
             text = backend.describe(point.cfg, script=False)
