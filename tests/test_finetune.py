@@ -13,7 +13,8 @@ import torch
 
 from chat_models import facts, smollm2_dir, tiny_chat_dir, write_facts
 from conftest import (assert_equal_weights, assert_one_line_error, compose_run, kill_after_checkpoint, logged,
-                      read_metrics, read_result, run_xtrain, start_xtrain, xtrain_in_process)
+                      model_weights, read_metrics, read_result, run_xtrain, start_xtrain, train_losses,
+                      xtrain_in_process)
 
 QUESTION = "What is the capital of Zorbia?"
 ANSWER = "Quentar"
@@ -315,3 +316,58 @@ def test_lora_under_sharding_saves_the_whole_adapter_and_resumes_exactly(tmp_pat
     run_xtrain(*[a.replace(str(run_dir), str(resumed)) for a in args], "resume=auto", env={seam: "1"})
     again = adapter(resumed)
     assert all(torch.equal(again[key], got[key]) for key in got)
+
+
+def varied_answers(path: Path) -> Path:
+    """Examples whose answers run from 1 to 40 words: micro-batches of them hold very different numbers of trained
+    tokens."""
+    return write_facts(path, "messages", [(f"Count to {i}.", " ".join(["word"] * (1 + (i * 7) % 40))) for i in range(64)])
+
+
+def test_grad_accum_trains_as_a_larger_batch_does(tmp_path, tiny):
+    """Padded examples, 2 x grad_accum 4 against 8 at once: each step's loss is over the trained tokens of all 8
+    examples (not a mean of four micro-batch means), and so is its gradient; the plan says the sequences are padded."""
+    common = [*sft(tiny, [varied_answers(tmp_path / "varied.jsonl")]), "data.packing=false", "trainer.max_steps=3",
+              "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_every=3", "trainer.save_every=3",
+              "trainer.lr=1e-3"]
+    big, accumulated = tmp_path / "big", tmp_path / "accumulated"
+    run_xtrain(f"run_dir={big}", *common, "trainer.batch_size=8")
+    run_xtrain(f"run_dir={accumulated}", *common, "trainer.batch_size=2", "trainer.grad_accum=4")
+    assert train_losses(accumulated) == pytest.approx(train_losses(big), rel=1e-5)
+    expected, got = model_weights(big), model_weights(accumulated)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-5)
+    plan = xtrain_in_process(*common, "trainer.batch_size=2", "trainer.grad_accum=4", "dry_run=true").stdout
+    assert "= 8 sequences per optimizer step (each padded to the longest of its batch)" in plan
+
+
+def test_lora_with_export_best_keeps_training_its_adapters(tmp_path, tiny):
+    """Each improving eval exports the merged model from a copy of the base: the adapters being trained stay where
+    they are and go on learning; adapter/ holds the best eval's adapter, and model/ is that adapter merged."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    run_xtrain(f"run_dir={run_dir}", *sft(tiny, [write_facts(tmp_path / "f.jsonl", "messages", facts(1))]), *LORA,
+               "trainer.export=best", "trainer.max_steps=8", "trainer.eval_every=2", "trainer.save_every=2",
+               "trainer.keep_checkpoints=4")
+    result = read_result(run_dir)
+    saved = {step: load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors") for step in (2, 4, 6, 8)}
+    lora_b = [key for key in saved[8] if "lora_B" in key]
+    assert lora_b and all(saved[2].keys() == saved[step].keys() for step in saved)
+    for earlier, later in ((2, 4), (4, 6), (6, 8)):  # after every export, the adapters still moved
+        assert any(not torch.equal(saved[earlier][key], saved[later][key]) for key in lora_b), (earlier, later)
+    assert result["model_step"] in saved and result["model_step"] > 0
+    def plain(key: str) -> str:  # a checkpoint names the adapter's tensors as the model has them, PEFT without
+        return key.replace(".default.", ".").removeprefix("base_model.model.")
+
+    kept = {plain(key): value for key, value in saved[result["model_step"]].items()}
+    exported = {plain(key): value for key, value in adapter(run_dir).items()}
+    assert exported.keys() == kept.keys() and all(torch.equal(exported[key], kept[key]) for key in kept)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "model", dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32),
+                                        run_dir / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

@@ -59,6 +59,7 @@ def test_peak_memory_holds_the_estimated_model_states(tmp_path, strategy):
     estimate, peaks = result["model_state_bytes_estimate"], result["peak_device_memory_bytes"]
     print(f"{strategy}: estimate {estimate / 1e6:.1f} MB, peak per rank {[round(p / 1e6, 1) for p in peaks]} MB")
     assert len(peaks) == result["world_size"]
+    assert all(reserved >= allocated for reserved, allocated in zip(result["peak_device_reserved_bytes"], peaks))
     # states + activations (16 x 128 tokens, 8 layers of 512) + allocator slack: a band, not only a floor
     assert all(0.9 * estimate <= p <= 2 * estimate + 2 * 2**30 for p in peaks)
 

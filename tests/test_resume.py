@@ -142,6 +142,6 @@ def test_resume_changes_apply_makes_a_new_lr_and_a_longer_run_take_effect(killed
     old, new = compose_run(*EIGHT), compose_run(*EIGHT, "trainer.lr=0.01", "trainer.max_steps=12")
     lrs = {r["step"]: r["train/lr"] for r in read_metrics(killed_at_4) if "train/lr" in r}
     assert sorted(lrs) == list(range(1, 13))
-    for step, lr in lrs.items():  # the lr each step's scheduler set for the next one
+    for step, lr in lrs.items():  # the lr each step trained at: the schedule's after the steps before it
         cfg = old if step <= 4 else new
-        assert lr == pytest.approx(cfg.trainer.lr * lr_factor(step, cfg.trainer), rel=1e-6), step
+        assert lr == pytest.approx(cfg.trainer.lr * lr_factor(step - 1, cfg.trainer), rel=1e-6), step

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import REPO, kill_after_checkpoint, read_metrics, run_xtrain, wandb_history
+from conftest import REPO, read_metrics, run_xtrain, wandb_history, wandb_records
 
 RUN = ["trainer.max_steps=8", "trainer.log_every=4", "trainer.eval_every=4", "trainer.save_every=8"]
 
@@ -45,15 +47,21 @@ def test_wandb_runs_offline_without_an_account(tmp_path):
 
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path):
-    """Killed after its step-6 checkpoint and resumed: one W&B run id throughout (kept in the run dir), the
-    resumed part logging from step 7 on."""
+    """Killed after its step-6 checkpoint, with steps after it logged, and resumed: one W&B run id throughout (kept
+    in the run dir), rewound to step 6 (W&B's resume_from: the steps trained again replace the killed attempt's
+    rows), the resumed part logging from step 7 on."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "HOME": str(tmp_path / "home")}
     args = [f"run_dir={run_dir}", "tracker=wandb", "trainer.max_steps=12", "trainer.log_every=1",
             "trainer.eval_every=6", "trainer.save_every=6"]
     proc = subprocess.Popen([sys.executable, "-m", "xtrain", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    kill_after_checkpoint(proc, run_dir / "checkpoints" / "step_00000006")
+    deadline = time.monotonic() + 300
+    while not any(row["step"] > 6 for row in logged_rows(run_dir)):  # a step the resumed run trains again
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
     run_xtrain(*args, "resume=auto", env={"HOME": str(tmp_path / "home")})
     run_id = (run_dir / "wandb_id").read_text().strip()
     runs = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -61,3 +69,22 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     (log,) = runs[1].glob("run-*.wandb")
     resumed = sorted({int(row["_step"]) for row in wandb_history(log)[0] if "train/loss" in row})
     assert resumed == list(range(7, 13))
+    (point,) = [r.run.branch_point for r in wandb_records(log) if r.WhichOneof("record_type") == "run"]
+    assert (point.run, point.value, point.metric) == (run_id, 6, "_step")
+
+
+def logged_rows(run_dir) -> list[dict]:
+    """metrics.jsonl's complete rows so far (the last line may be being written)."""
+    import json
+
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows

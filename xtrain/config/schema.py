@@ -227,11 +227,13 @@ class TrainerConfig:
     `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
     sweep's points."""
     monitor_direction: Direction = Direction.auto
-    """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics (a metric by
-    `_target_` needs `maximize` or `minimize`)."""
+    """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics, torchmetrics'
+    `higher_is_better` and a `task.metrics` entry's `direction` (a function metric without one needs `maximize` or
+    `minimize` here)."""
     export: Export = Export.last
     """What `model/` holds: the `last` model, or the `best` one by `monitor` (exported at each eval that improves
-    it; result.json's `model_step` says which)."""
+    it; result.json's `model_step` says which, `model_eval` what it scored). Sweeps and studies rank a run by what
+    the model it kept scored."""
     early_stop_patience: int = 0
     """Stop when this many evals in a row have not improved `monitor` (by more than `early_stop_min_delta`): at that
     step boundary, with its checkpoint and `model/`; the run is `completed` and `early_stop` records why. 0: never."""

@@ -13,6 +13,9 @@ from xtrain.core.errors import ConfigError
 TARGET = "_target_"
 MAXIMIZED = {"accuracy", "f1_macro", "precision_macro", "recall_macro"}  # built-in metrics better when higher
 MINIMIZED = {"loss", "ppl", "mse", "mae"}
+DIRECTIONS = ("maximize", "minimize")
+METRIC_KEYS = (TARGET, "name", "input", "direction")  # a task.metrics entry's own keys; the rest are its arguments
+RESERVED_NAMES = ("loss", "ppl")  # the eval's own values: no metric may take their names
 
 
 class TaskKind(Enum):
@@ -48,9 +51,12 @@ class TaskConfig:
     name: TaskKind = TaskKind.causal_lm
     """What is trained; each option of the `task` group sets it."""
     metrics: List[Any] = field(default_factory=list)
-    """`task=custom`: metrics computed over the whole val split at each eval: built-in names (accuracy, f1_macro,
-    precision_macro, recall_macro, mse, mae) and/or `{_target_: ...}` entries (a torchmetrics.Metric, or a
-    function fn(preds, targets) -> float)."""
+    """`task=custom`, `seq_cls`, `image_cls`: metrics computed over the whole val split at each eval: built-in names
+    (accuracy, f1_macro, precision_macro, recall_macro, mse, mae) and/or `{_target_: ...}` entries (a
+    torchmetrics.Metric, or a function fn(inputs, targets) -> a number or an array), with `name`, `input` (`preds`:
+    class ids or a regression's outputs; `probs`: scores; `logits`: the outputs as they are; torchmetrics'
+    classification metrics get `probs` unasked) and `direction` (`maximize` or `minimize`; torchmetrics' own
+    `higher_is_better` unasked)."""
     loss: Optional[Dict[str, Any]] = None
     """`task=custom`: `{_target_: ...}`, a loss module or function of (outputs, targets), per example (a torch
     loss gets reduction='none'); default: cross-entropy."""
@@ -138,9 +144,25 @@ def eval_values(task: "TaskConfig") -> list[str]:
     return ["val_loss", *(f"val_{metric_name(spec)}" for spec in task.metrics)]
 
 
-def known_direction(value_name: str) -> str | None:
-    """`maximize` or `minimize` for an eval value whose direction is known (`val_accuracy`, `val_loss`), else None."""
+def block_tokens(task: str, data: Any) -> int | None:
+    """Tokens in every sequence a step trains on, where each is a full block: a causal LM on text corpora or packed
+    chat examples (run.yaml's `task.name` and `data` node, as plain values). None where there are none to count so:
+    padded chat examples vary, classifiers' and a custom task's items are not token blocks."""
+    if task != TaskKind.causal_lm.value or not isinstance(data, dict) or "block_size" not in data:
+        return None
+    if data.get("source") == "sft" and not data.get("packing", True):
+        return None
+    return data["block_size"]
+
+
+def known_direction(value_name: str, task: "TaskConfig | None" = None) -> str | None:
+    """`maximize` or `minimize` for an eval value whose direction the config tells (`val_accuracy`, `val_loss`, a
+    `task.metrics` entry's `direction`), else None (a torchmetrics class's own is known once it is imported:
+    tasks/metrics.py)."""
     name = value_name[len("val_"):] if value_name.startswith("val_") else value_name
+    for spec in (task.metrics if task is not None else []):
+        if isinstance(spec, dict) and metric_name(spec) == name:
+            return spec.get("direction") if spec.get("direction") in DIRECTIONS else None
     return "maximize" if name in MAXIMIZED else "minimize" if name in MINIMIZED else None
 
 
@@ -171,23 +193,26 @@ def _target_of(key: str, node: dict) -> str:
     return target
 
 
-def monitor_direction(trainer) -> str:
-    """`maximize` or `minimize`: `trainer.monitor_direction`, or where it is `auto`, the monitored value's."""
+def monitor_direction(trainer, known: str | None) -> str:
+    """`maximize` or `minimize`: `trainer.monitor_direction`, or where it is `auto`, the monitored value's direction
+    (`known`, as the task knows it: check_monitor has refused a monitor with none)."""
     if trainer.monitor_direction is not Direction.auto:
         return trainer.monitor_direction.value
-    return known_direction(trainer.monitor) or "minimize"
+    assert known is not None, f"no direction for {trainer.monitor}"
+    return known
 
 
-def check_monitor(t, task: TaskConfig) -> None:
+def check_monitor(t, task: TaskConfig, directions: dict | None = None) -> None:
     """`trainer.monitor` (of the trainer settings `t`) names a value the task's evals record, in a direction that
-    fits it."""
+    fits it. `directions`: each eval value's, as the task knows them once its metrics are built (a torchmetrics
+    class's `higher_is_better`); without them, what the config tells."""
     computed = eval_values(task)
     if t.monitor not in computed:
         raise ConfigError(f"trainer.monitor={t.monitor}: the task does not compute it; it computes {', '.join(computed)}")
-    known = known_direction(t.monitor)
-    if t.monitor_direction is Direction.auto and known is None:
+    known = directions.get(t.monitor) if directions is not None else known_direction(t.monitor, task)
+    if t.monitor_direction is Direction.auto and known is None and directions is not None:
         raise ConfigError(f"trainer.monitor_direction=auto: whether a higher {t.monitor} is better is not known; set "
-                          "trainer.monitor_direction=maximize or minimize")
+                          "trainer.monitor_direction=maximize or minimize (or direction: in its task.metrics entry)")
     if known is not None and t.monitor_direction is not Direction.auto and t.monitor_direction.value != known:
         better = "higher" if known == "maximize" else "lower"
         raise ConfigError(f"trainer.monitor_direction={t.monitor_direction.value}: {t.monitor} is better when {better}; "

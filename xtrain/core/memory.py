@@ -35,12 +35,14 @@ def peak_rss() -> int:
 
 def peaks(accelerator) -> dict[str, list[int]]:
     """Every rank's peaks, gathered (a collective): `peak_rss_bytes`, and on a GPU `peak_device_memory_bytes`
-    (what the caching allocator handed out at most)."""
+    (allocated: what the caching allocator handed out at most, tensors alone) and `peak_device_reserved_bytes`
+    (reserved: what it held from the GPU at most, its cache included; what nvidia-smi counts, less the context)."""
     own = [peak_rss()]
     if torch.cuda.is_available():
-        own.append(torch.cuda.max_memory_allocated())
+        own += [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]
     every = accelerator.gather(torch.tensor([own], device=accelerator.device)).tolist()
     named = {"peak_rss_bytes": [rank[0] for rank in every]}
     if len(own) > 1:
         named["peak_device_memory_bytes"] = [rank[1] for rank in every]
+        named["peak_device_reserved_bytes"] = [rank[2] for rank in every]
     return named

@@ -9,6 +9,7 @@ A run dir:
 | `result.json` | how the run stands or ended (`Result`, `Status`) | `update_result` only |
 | `checkpoints/` | Accelerate states, newest last (checkpoint.py) | the trainer |
 | `model/` | the final model, loadable by transformers | the task's export |
+| `evals/` | a metric's arrays (a confusion matrix) per eval: `<name>/step_N.json`, and `.png` for a square one | the trainer |
 | `logs/` | torchrun's and SLURM's output; `logs/errors/rank<R>.json`: a failed rank's own error | launchers, workers |
 | `slurm.json` | the SLURM job that runs it (cluster=slurm) | the SLURM backend |
 
@@ -36,6 +37,7 @@ RUN_CONFIG = "run.yaml"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
 MODEL = "model"
+EVALS = "evals"  # a metric's arrays (a confusion matrix), per eval: evals/<name>/step_N.json (and .png)
 LOGS = "logs"
 ERRORS_DIR = Path(LOGS) / "errors"
 SLURM_FILE = "slurm.json"
@@ -80,6 +82,7 @@ class Status(str, Enum):
 
 
 PENDING = "pending"  # what readers show for a run dir without result.json: written, not started
+LOST = "lost"  # what readers show for a run `running` whose process on this machine is gone: killed outright
 ENDED = {Status.completed, Status.failed, Status.interrupted, Status.cancelled, Status.timeout, Status.pruned}
 
 
@@ -97,6 +100,8 @@ class Result(TypedDict, total=False):
     tokens_per_s: float
     world_size: int
     wall_time_s: float
+    model_step: int  # the step of the model in model/
+    model_eval: dict  # what that model scored at its eval: {"step", "val_loss", "val_<metric>", ...}
     stop: dict  # a stop at a step boundary: {"signal", "at", "step"}
     restarts: list  # one entry per resume in this run dir (requeue or resume=auto): `continued`
     steps_lost: int  # logged steps trained again after those restarts
@@ -140,6 +145,48 @@ def update_result(run_dir: Path, changes: dict, *, fresh: bool = False,
         return merged
 
 
+def this_process() -> dict:
+    """The process that trains a run (its main rank), as result.json records it: a reader on the same machine can
+    tell whether it is still there."""
+    import socket
+
+    import psutil
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time()}
+
+
+def process_gone(record: dict | None) -> bool:
+    """The recorded process ran on this machine and is no longer there (its pid gone, or taken by another)."""
+    import socket
+
+    import psutil
+
+    if not record or record.get("host") != socket.gethostname():
+        return False  # another machine's (a SLURM node's): its scheduler tells
+    try:
+        return abs(psutil.Process(record["pid"]).create_time() - record["started"]) > 1.0
+    except psutil.NoSuchProcess:
+        return True
+
+
+def shown_status(run_dir: Path) -> str:
+    """A run's status as readers show it: result.json's, `pending` before it, `lost` for a local run still `running`
+    whose process is gone (killed outright: resume=auto continues it). A SLURM run's end its scheduler tells."""
+    result = read_result(run_dir)
+    status = result.get("status", PENDING)
+    local = not (Path(run_dir) / SLURM_FILE).exists()
+    if status == Status.running and local and process_gone(result.get("process")):
+        return LOST
+    return status
+
+
+def kept_value(result: dict, name: str):
+    """`name` (`val_loss`, `val_<metric>`) as the model in `model/` scored it: at the eval it was exported at
+    (`model_eval`: the best eval's with `trainer.export=best`, the last eval's otherwise), else the run's last value
+    (`train_loss`, a run that kept no model)."""
+    return (result.get("model_eval") or {}).get(name, result.get(name))
+
+
 def record_end(run_dir: Path, status: str, error: str, started_only: bool = False) -> None:
     """How a run ended, in result.json, unless its trainer recorded an end already. `started_only`: only
     for a run whose training had started (its result.json exists): a run that failed before can reuse its dir."""
@@ -170,6 +217,15 @@ def keep_metrics_until(run_dir: Path, step: int) -> int:
             rows.append(line)
     write_atomic(path, "".join(f"{r}\n" for r in rows))
     return last
+
+
+def keep_evals_until(run_dir: Path, step: int) -> None:
+    """On resume (or a fresh start in the run dir): drop the eval files (`evals/`) of steps after `step`, which the
+    attempt before wrote and this one trains again."""
+    for path in (Path(run_dir) / EVALS).glob("*/step_*.*"):
+        found = CHECKPOINT_NAME.match(path.stem)
+        if found and int(found.group(1)) > step:
+            path.unlink()
 
 
 def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None) -> dict:

@@ -1,8 +1,12 @@
-"""Batches of items of different lengths."""
+"""Batches: items of different lengths padded, float64 items cast."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("xtrain")
 
 
 class PadToLongest:
@@ -25,3 +29,34 @@ class PadToLongest:
         for row, item in enumerate(items):
             batch["attention_mask"][row, :len(item["input_ids"])] = 1
         return batch
+
+
+class CastFloat64:
+    """torch's default collate, with float64 tensors (numpy's default, Python floats) cast to float32, the dtype
+    xtrain trains weights in; said once in the log (`quiet`: not said)."""
+
+    def __init__(self, quiet: bool = False):
+        self.said = quiet
+
+    def __call__(self, items: list):
+        from torch.utils.data import default_collate
+
+        batch = default_collate(items)
+        cast = _cast(batch)
+        if cast is not batch and not self.said:
+            self.said = True
+            log.info("data: the datasets' float64 tensors are cast to float32, the model's dtype")
+        return cast
+
+
+def _cast(batch):
+    """`batch` with every float64 tensor in it cast to float32 (the same object where it holds none)."""
+    if torch.is_tensor(batch):
+        return batch.float() if batch.dtype == torch.float64 else batch
+    if isinstance(batch, dict):
+        cast = {key: _cast(value) for key, value in batch.items()}
+        return batch if all(cast[k] is batch[k] for k in batch) else cast
+    if isinstance(batch, (list, tuple)):
+        cast = [_cast(value) for value in batch]
+        return batch if all(a is b for a, b in zip(cast, batch)) else type(batch)(cast)
+    return batch

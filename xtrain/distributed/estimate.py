@@ -38,9 +38,12 @@ def bytes_per_param(precision: Precision) -> tuple[int, int, int]:
     return 2, 2, 12
 
 
-def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = None) -> Memory:
+QUANTIZED_BYTES = 0.5  # a 4-bit weight (QLoRA's base; its quantization constants, ~0.1 bit each, not counted)
+
+
+def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = None, quantized: int = 0) -> Memory:
     """Model-state bytes per device; with `trainable` (LoRA) only those parameters have gradients and
-    optimizer states, the rest weights alone."""
+    optimizer states, the rest weights alone; `quantized` of those weights in 4 bits (QLoRA)."""
     s = cfg.strategy
     n = cfg.cluster.world_size
     w, g, k = bytes_per_param(cfg.precision.name)
@@ -66,7 +69,7 @@ def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = No
     if s.offload_param is not Offload.none:
         params = 0
     trained = n_params if trainable is None else trainable
-    return Memory(params * n_params, grads * trained, opt * trained)
+    return Memory(params * (n_params - quantized) + QUANTIZED_BYTES * quantized, grads * trained, opt * trained)
 
 
 # From least to most memory-saving: what to suggest when a plan does not fit.
@@ -83,10 +86,11 @@ _ALTERNATIVES = [
 ]
 
 
-def first_fit(n_params: int, cfg: RunConfig, device_bytes: float) -> tuple[str, Memory] | None:
+def first_fit(n_params: int, cfg: RunConfig, device_bytes: float, trainable: int | None = None,
+              quantized: int = 0) -> tuple[str, Memory] | None:
     for overrides, fields in _ALTERNATIVES:
         strategy = replace(cfg.strategy, **{"offload_optimizer": Offload.none, "offload_param": Offload.none, **fields})
-        memory = model_state_memory(n_params, replace(cfg, strategy=strategy))
+        memory = model_state_memory(n_params, replace(cfg, strategy=strategy), trainable, quantized)
         if memory.total <= device_bytes:
             return overrides, memory
     return None

@@ -31,6 +31,7 @@ class ModelFacts:
     hidden_size: int
     wrap_layer: str = ""
     trainable: int | None = None  # parameters that train, where not all do (LoRA)
+    quantized: int = 0  # frozen parameters held in 4 bits (QLoRA's base)
 
 
 def builds_on_meta(cfg: RunConfig) -> bool:

@@ -1,17 +1,23 @@
-"""Evaluation at `trainer.eval_every`: the task's val loss over the whole val split (per trained token), and
-the model's greedy answers to `trainer.sample_prompts`, logged and sent to the trackers."""
+"""Evaluation at `trainer.eval_every`: the task's val loss over the whole val split (per trained token, position or
+example), its metrics, and the model's greedy answers to `trainer.sample_prompts`, logged and sent to the trackers.
+A metric whose value is an array (a confusion matrix, a curve) is saved per eval in the run dir (`evals/`)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
 from xtrain.config.schema import RunConfig, TrainerConfig
+from xtrain.core.files import write_atomic
+from xtrain.core.rundir import EVALS, checkpoint_name
+from xtrain.tasks import metrics
 from xtrain.tasks.base import Task
 
 log = logging.getLogger("xtrain")
@@ -23,16 +29,17 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, task: Task, model, loader) -> dict[str, float]:
+def evaluate(accelerator: Accelerator, task: Task, model, loader) -> dict:
     """The task's eval loss per trained token (per example), and its metrics, over the whole validation split:
-    every rank's part, gathered without the samples a distributed sampler pads in."""
+    every rank's part, gathered without the samples a distributed sampler pads in. A metric's value is a float, or
+    a nested list (an array)."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
-    preds, targets = [], []
+    outputs, targets = [], []
     for batch in loader:
         if task.metrics:
-            sums, counts, pred, target = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
-            preds.append(pred.cpu())
+            sums, counts, out, target = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
+            outputs.append(out.cpu())
             targets.append(target.cpu())
         else:
             sums, counts = accelerator.gather_for_metrics(task.eval_losses(model, batch))
@@ -42,29 +49,90 @@ def evaluate(accelerator: Accelerator, task: Task, model, loader) -> dict[str, f
     if task.perplexity:
         values["ppl"] = perplexity(values["loss"])
     if task.metrics:
-        pred, target = torch.cat(preds), torch.cat(targets)
-        values.update({metric.name: metric.compute(pred, target) for metric in task.metrics})
+        gathered = metrics.Outputs(torch.cat(outputs), torch.cat(targets), task.problem)
+        values.update(metrics.compute_all(task.metrics, gathered))
     return values
 
 
-def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dict) -> float:
-    """Evaluate, log, record `val_<name>` (and the best so far, `best_val_<name>`) in `result`, answer the sample
-    prompts, and add the time it took to `eval_time_s` (this attempt's). Returns the val loss."""
+def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dict, run_dir: Path) -> float:
+    """Evaluate, log, record `val_<name>` in `result` (and where its direction is known, the best so far,
+    `best_val_<name>`; the monitored value's is the monitor's, judged after this), save the arrays, answer the
+    sample prompts, and add the time it took to `eval_time_s` (this attempt's). Returns the val loss."""
     from xtrain.engine import reporting
-    from xtrain.tasks.metrics import MAXIMIZED
 
     start = time.perf_counter()
     values = evaluate(accelerator, c.task, c.model, c.val_loader)
-    accelerator.log({f"val/{name}": value for name, value in values.items()}, step=step)
-    for name, value in values.items():
-        result[f"val_{name}"] = value
-        best, pick = result.get(f"best_val_{name}"), max if name in MAXIMIZED else min
-        result[f"best_val_{name}"] = value if best is None else pick(best, value)
+    scalars = {name: value for name, value in values.items() if metrics.is_scalar(value)}
+    accelerator.log({f"val/{name}": value for name, value in scalars.items()}, step=step)
+    directions = c.task.directions()
+    for name, value in scalars.items():
+        key = f"val_{name}"
+        result[key] = value
+        if key != cfg.trainer.monitor and metrics.better(directions.get(key), value, result.get(f"best_{key}")):
+            result[f"best_{key}"] = value
+    arrays = {name: value for name, value in values.items() if name not in scalars}
+    if arrays and accelerator.is_main_process:
+        result["eval_files"] = save_arrays(run_dir, step, arrays)
     log.info("step %d | %s", step, reporting.eval_text(result))
     if cfg.trainer.sample_prompts:
         log_samples(accelerator, cfg.trainer, c, step)
     result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
     return values["loss"]
+
+
+def save_arrays(run_dir: Path, step: int, arrays: dict) -> dict[str, list[str]]:
+    """`evals/<name>/step_N.json` for each array this eval computed (and `.png` for a square matrix); every eval
+    file in the run dir, by metric, as result.json lists them."""
+    for name, value in arrays.items():
+        where = run_dir / EVALS / name
+        where.mkdir(parents=True, exist_ok=True)
+        write_atomic(where / f"{checkpoint_name(step)}.json", json.dumps({"step": step, name: value}) + "\n")
+        tensor = torch.tensor(value) if _rectangular(value) else None
+        if tensor is not None and tensor.dim() == 2 and tensor.shape[0] == tensor.shape[1]:
+            write_atomic(where / f"{checkpoint_name(step)}.png", matrix_png(tensor, f"{name}, step {step}"))
+    return eval_files(run_dir)
+
+
+def eval_files(run_dir: Path) -> dict[str, list[str]]:
+    root = run_dir / EVALS
+    return {d.name: sorted(str(f.relative_to(run_dir)) for f in d.iterdir() if f.suffix in (".json", ".png"))
+            for d in sorted(root.iterdir()) if d.is_dir()} if root.is_dir() else {}
+
+
+def _rectangular(value) -> bool:
+    try:
+        torch.tensor(value)
+        return True
+    except (ValueError, TypeError):
+        return False
+
+
+def matrix_png(matrix: torch.Tensor, title: str) -> bytes:
+    """A square matrix (a confusion matrix: rows the targets, columns the predictions) as a labelled heatmap."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = matrix.shape[0]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * n, 1 + 0.45 * n))
+    image = ax.imshow(matrix.double().numpy(), cmap="Blues")
+    if n <= 20:
+        middle = float(matrix.double().max()) / 2
+        for i in range(n):
+            for j in range(n):
+                value = matrix[i, j].item()
+                ax.text(j, i, f"{value:g}", ha="center", va="center", fontsize=8,
+                        color="white" if value > middle else "black")
+    ax.set(xlabel="predicted", ylabel="target", title=title)
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
 
 
 def log_samples(accelerator: Accelerator, trainer: TrainerConfig, c, step: int) -> None:

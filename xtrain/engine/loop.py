@@ -10,7 +10,6 @@ the eval) is the task's: the loop knows nothing of causal LMs.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import socket
@@ -29,7 +28,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from xtrain.config import schema
 from xtrain.config.schema import Export, Precision, RunConfig, Strategy, TrainerConfig
 from xtrain.core import machine, memory, rundir, stopping
-from xtrain.core.errors import ConfigError, Diverged
+from xtrain.core.errors import ConfigError
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
 from xtrain.distributed import compiling, meta_init, plugins
@@ -38,8 +37,9 @@ from xtrain.engine import checkpoint, evaluation, pruning, reporting, resume, sa
 from xtrain.engine.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
 from xtrain.engine.monitor import EARLY_STOP, Monitor
 from xtrain.engine.optim import build_optimizer, lr_factor, set_hyperparameters
+from xtrain.engine.update import agree_on_step, optimizer_step
 from xtrain.tasks.base import Task
-from xtrain.tasks.facts import model_facts
+from xtrain.tasks.facts import model_facts, stored_numel
 from xtrain.tasks.registry import task_for
 
 log = logging.getLogger("xtrain")
@@ -108,7 +108,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
         )
     counts = {p.requires_grad: 0 for p in model.parameters()}
     for p in model.parameters():
-        counts[p.requires_grad] += getattr(p, "ds_numel", p.numel())  # ZeRO-3 leaves numel() 0
+        counts[p.requires_grad] += stored_numel(p)
     n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
@@ -125,7 +125,9 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
     """Load the checkpoint, if any, and cut metrics.jsonl back to it: the loop's counters, on the main process the
     last step logged before the cut, and the settings that changed since the checkpoint (preflight allowed them;
     the optimizer's and the schedule's take effect here)."""
-    progress, last_logged, changed = Progress(step=0, seen=0, skipped=0, monitor=Monitor.of(cfg.trainer)), 0, {}
+    direction = c.task.directions().get(cfg.trainer.monitor)
+    progress = Progress(step=0, seen=0, skipped=0, monitor=Monitor.of(cfg.trainer, direction))
+    last_logged, changed = 0, {}
     if resume_from is not None:
         checkpoint.load(accelerator, resume_from, only_trainable=cfg.model.lora.enabled)
         state = checkpoint.read_state(resume_from)
@@ -133,7 +135,7 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
         progress = Progress(step=state["step"], seen=state.get("seen", state.get("tokens_seen", 0)),
                             skipped=state.get("skipped_steps", 0),
                             window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
-                            best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, state.get("monitor")))
+                            best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, direction, state.get("monitor")))
         found = resume.changes(state["config"], schema.to_container(cfg)) if "config" in state else []
         if any(change.key in resume.APPLICABLE for change in found):
             set_hyperparameters(c.optimizer, c.scheduler, cfg)
@@ -144,6 +146,7 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
             last_logged = rundir.keep_metrics_until(run_dir, progress.step)
         else:
             (run_dir / rundir.METRICS).unlink(missing_ok=True)
+        rundir.keep_evals_until(run_dir, progress.step)
     accelerator.wait_for_everyone()
     return progress, last_logged, changed
 
@@ -155,7 +158,7 @@ def resume_setting(resume: str, run_dir: Path) -> str:
 
 
 def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume_from: Path | None,
-                 start_step: int, n_params_meta: int) -> dict:
+                 start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
     """result.json as the loop starts (status `running`), and the run's header line."""
     t, world = cfg.trainer, accelerator.num_processes
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
@@ -170,8 +173,8 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume
         "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
-        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable).total,
-        "trainable_parameters": c.n_trainable or c.n_params,
+        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized).total,
+        "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
     own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores())
@@ -212,18 +215,22 @@ def _train(run_dir: Path) -> dict:
     if accelerator.is_main_process:
         checkpoint.remove_partial(run_dir)
     c = build_components(cfg, accelerator, task_for(cfg))
-    c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process)
+    examples_per_step = t.batch_size * t.grad_accum * accelerator.num_processes
+    c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process, examples_per_step)
     model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
 
     progress, last_logged, changed = restore(accelerator, resume_from, run_dir, cfg, c)
     start_step = progress.step
-    accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg),
-                              init_kwargs=tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start_step))
-    result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta)
+    trackers = tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start_step, last_logged)
+    accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg), init_kwargs=trackers)
+    result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta, facts)
     result["peak_rss_model_ready_bytes"] = model_ready
     result.update(progress.best, monitor=progress.monitor.state())
     if t.export is Export.best and progress.monitor.best_step is not None:  # model/ holds that eval's model
+        kept = rundir.read_result(run_dir) if accelerator.is_main_process else {}
         result["model_step"] = progress.monitor.best_step
+        if kept.get("model_step") == progress.monitor.best_step and "model_eval" in kept:
+            result["model_eval"] = kept["model_eval"]
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == rundir.checkpoints_dir(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged, changed))
@@ -232,8 +239,8 @@ def _train(run_dir: Path) -> dict:
         rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
 
     train_start, seen_at_start = time.time(), progress.seen
-    if start_step == 0:
-        result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result)
+    if start_step == 0:  # (the first eval also checks, on every task, that each metric can take its inputs)
+        result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result, run_dir)
         judge(accelerator, cfg.trainer, c, progress, result, run_dir)
     batches = _recording_first_batch(
         sampler.micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
@@ -247,8 +254,7 @@ def _train(run_dir: Path) -> dict:
             stop = run_steps(accelerator, cfg, c, batches, progress, result, run_dir, bar, process_start)
         wall = time.time() - train_start
         if (stop is None or stop["signal"] == EARLY_STOP) and t.export is Export.last:
-            save_model(accelerator, c, run_dir)
-            result["model_step"] = progress.step
+            save_model(accelerator, c, run_dir, progress.step, result)
     except BaseException as err:
         result["status"] = Status.interrupted if isinstance(err, KeyboardInterrupt) else Status.failed
         result["error"] = f"{type(err).__name__}: {err}"
@@ -287,8 +293,8 @@ def finish(trainer: TrainerConfig, accelerator: Accelerator, result: dict, stop:
     if accelerator.is_main_process:
         rundir.update_result(run_dir, result)
         if stop is None or early:
-            log.info("done: %d steps | %s | %.0f %s/s | %s", result["steps"], reporting.eval_text(result, final=True), per_s,
-                     c_unit, run_dir)
+            log.info("done: %d steps | %s | %s %s/s | %s", result["steps"], reporting.eval_text(result, final=True),
+                     reporting.rate(per_s), c_unit, run_dir)
     return result
 
 
@@ -298,13 +304,16 @@ def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, 
     ends them at the step boundary, with a checkpoint of that step: returns the request."""
     t = cfg.trainer
     for step in range(p.step + 1, t.max_steps + 1):
-        loss_sum, count = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
+        began = time.perf_counter()
+        loss_sum, count, lr = optimizer_step(accelerator, c, batches, t.grad_accum, t.max_grad_norm)
         loss, per_step, stop = agree_on_step(accelerator, loss_sum, count, t.grad_accum, step, p.last_finite, cfg.trainer)
+        p.window.train_s += time.perf_counter() - began  # (agree_on_step waited for the step: its loss is read)
         p.step, p.last_finite = step, (step, loss)
         p.skipped += accelerator.optimizer_step_was_skipped
         p.window.loss_sum += loss
         p.window.steps += 1
         p.window.count += per_step
+        p.window.lr = lr
         p.seen += per_step
         bar.update(1)
         if "time_to_first_step_s" not in result:
@@ -339,13 +348,12 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     t, step = cfg.trainer, p.step
     last = step == t.max_steps
     if step % t.log_every == 0 or last:
-        result["train_loss"] = reporting.log_train(accelerator, p.window, step, c.scheduler, p.seen, p.skipped,
+        result["train_loss"] = reporting.log_train(accelerator, p.window, step, p.seen, p.skipped,
                                                    c.task.throughput_unit)
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = reporting.Window()
     if step % t.eval_every == 0 or last:
-        result["val_loss"] = evaluation.run_eval(accelerator, cfg, c, step, result)
-        p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
+        evaluation.run_eval(accelerator, cfg, c, step, result, run_dir)
         judge(accelerator, cfg.trainer, c, p, result, run_dir, last)
         p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
     if step % t.save_every == 0 or last:
@@ -356,13 +364,21 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
 
 def judge(accelerator: Accelerator, trainer: TrainerConfig, c: Components, p: Progress, result: dict, run_dir: Path,
           last: bool = False) -> None:
-    """After an eval: `trainer.monitor`'s verdict; `export=best` exports the model where it improved."""
+    """After an eval: `trainer.monitor`'s verdict (its best is `best_<monitor>`); `export=best` exports the model
+    where it improved, and `model_eval` records what that model scored."""
     improved, p.early_stop = p.monitor.judge(accelerator, p.step, result, trainer)
     p.early_stop = p.early_stop and not last
     result["monitor"] = p.monitor.state()
+    if p.monitor.best is not None:
+        result[f"best_{p.monitor.name}"] = p.monitor.best
+    p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
     if improved and trainer.export is Export.best:
-        save_model(accelerator, c, run_dir)
-        result["model_step"] = p.step
+        save_model(accelerator, c, run_dir, p.step, result)
+
+
+def scores(result: dict, step: int) -> dict:
+    """The eval values at `step` (the eval just recorded in `result`), as `model_eval` holds them."""
+    return {"step": step, **{key: value for key, value in result.items() if key.startswith("val_")}}
 
 
 def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
@@ -374,48 +390,6 @@ def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: 
     checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
 
 
-def optimizer_step(accelerator: Accelerator, c: Components, batches, grad_accum: int, max_grad_norm: float):
-    """One optimizer step over `grad_accum` micro-batches; returns their summed loss and this rank's count
-    of the task's unit (tokens, examples).
-    The schedule counts optimizer steps taken: a step the loss scaler skipped (fp16 overflow) does not advance it."""
-    loss_sum, count = torch.zeros((), device=accelerator.device), 0
-    for _ in range(grad_accum):
-        batch = next(batches)
-        count += c.task.count(batch)
-        with accelerator.accumulate(c.model):
-            loss = c.task.loss(c.model, batch)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and max_grad_norm > 0:
-                accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
-            c.optimizer.step()
-            c.optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
-    if not accelerator.optimizer_step_was_skipped:
-        c.scheduler.step()
-    return loss_sum, count
-
-
-def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, grad_accum: int, step: int,
-                  last_finite: tuple[int, float] | None, trainer: TrainerConfig) -> tuple[float, int, bool]:
-    """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
-    the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
-    every rank alike (all see the mean)."""
-    asked = float(stopping.requested() is not None)
-    if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
-        mean_loss_sum, stop, mean_count = loss_sum.item(), asked, count
-    else:
-        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(count)], device=loss_sum.device)])
-        mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
-    loss = mean_loss_sum / grad_accum
-    if not math.isfinite(loss):
-        before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
-        raise Diverged(
-            f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
-            f"(now {trainer.lr:g}) or raise trainer.warmup_steps (now {trainer.warmup_steps})"
-        )
-    return loss, round(mean_count * accelerator.num_processes), stop > 0
-
-
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
     """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
@@ -425,11 +399,14 @@ def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
     yield from batches
 
 
-def save_model(accelerator: Accelerator, c: Components, run_dir: Path) -> None:
-    """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's (files.replace_dir)."""
+def save_model(accelerator: Accelerator, c: Components, run_dir: Path, step: int, result: dict) -> None:
+    """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's (files.replace_dir);
+    `model_step` and `model_eval` (what that model scored at its eval) in `result`."""
+    result["model_step"], result["model_eval"] = step, scores(result, step)
     state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
     if not accelerator.is_main_process:
         return
+    log.info("step %d | exporting model/", step)
     tmp = run_dir / f".tmp-{rundir.MODEL}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from xtrain.config.schema import TrainerConfig, monitor_direction
+from xtrain.tasks.metrics import better
 
 log = logging.getLogger("xtrain")
 
@@ -26,9 +27,10 @@ class Monitor:
     evals_without_improvement: int = 0
 
     @classmethod
-    def of(cls, trainer: TrainerConfig, saved: dict | None = None) -> "Monitor":
-        """A fresh one, or the checkpoint's (`saved`) where it watched the same value the same way."""
-        monitor = cls(trainer.monitor, monitor_direction(trainer))
+    def of(cls, trainer: TrainerConfig, known: str | None, saved: dict | None = None) -> "Monitor":
+        """A fresh one, or the checkpoint's (`saved`) where it watched the same value the same way. `known`: the
+        monitored value's direction as the task knows it."""
+        monitor = cls(trainer.monitor, monitor_direction(trainer, known))
         if saved and saved.get("name") == monitor.name and saved.get("direction") == monitor.direction:
             monitor = cls(**saved)
         return monitor
@@ -37,12 +39,10 @@ class Monitor:
         return asdict(self)
 
     def judge(self, accelerator, step: int, result: dict, trainer: TrainerConfig) -> tuple[bool, bool]:
-        """(improved, stop early) after the eval at `step`: the same answer on every rank (rank 0's, broadcast)."""
+        """(improved, stop early) after the eval at `step`: the same answer on every rank (rank 0's, broadcast). A
+        NaN never improves on anything, nor becomes the best."""
         value = result[self.name]
-        gain = value - self.best if self.best is not None else None
-        if self.direction == "minimize" and gain is not None:
-            gain = -gain
-        improved = gain is None or gain > trainer.early_stop_min_delta
+        improved = better(self.direction, value, self.best, trainer.early_stop_min_delta)
         if improved:
             self.best, self.best_step, self.evals_without_improvement = value, step, 0
         else:
@@ -55,6 +55,7 @@ class Monitor:
             agreed = broadcast(torch.tensor([float(improved), float(stop)], device=accelerator.device), from_process=0)
             improved, stop = bool(agreed[0].item()), bool(agreed[1].item())
         if stop:
-            log.info("step %d | %s has not improved on %.4f (step %d) in the last %d eval(s): early stop", step,
-                     self.name, self.best, self.best_step, patience)
+            best = "nothing finite" if self.best is None else f"{self.best:.4f} (step {self.best_step})"
+            log.info("step %d | %s has not improved on %s in the last %d eval(s): early stop", step, self.name, best,
+                     patience)
         return improved, stop

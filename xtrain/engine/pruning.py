@@ -20,10 +20,14 @@ PRUNER = "the pruner"  # the `signal` of a pruned run's stop record: no signal a
 
 
 class Pruning:
-    def __init__(self, run_dir: Path, main: bool) -> None:
+    def __init__(self, run_dir: Path, main: bool, examples_per_step: int) -> None:
         record = study_settings.read_trial_file(run_dir)
         self.active = record is not None
         self.trial = None
+        # where the study's trials differ in batch size, each reports at the optimizer steps of its smallest batch
+        # that see as many examples: the pruner compares trials at equal examples seen
+        self.examples_per_step = examples_per_step
+        self.reference = (record or {}).get("study", {}).get("examples_per_step") or examples_per_step
         if record is not None and main:
             import optuna
 
@@ -46,7 +50,7 @@ class Pruning:
         value = result.get(self.objective)
         if value is None:
             return False
-        self.trial.report(float(value), step)
+        self.trial.report(float(value), step * self.examples_per_step // self.reference)
         if not self.trial.should_prune():
             return False
         log.info("step %d | %s %.4f: pruned by the %s pruner", step, self.objective, value, self.pruner)

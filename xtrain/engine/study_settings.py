@@ -47,6 +47,8 @@ class StudySettings:
     n_trials: int = 20
     n_jobs: int = 1
     max_retries: int = 0
+    examples_per_step: int | None = None  # derived: the smallest effective batch of the space's corners, the unit
+    # of the steps a trial reports at (pruning.py)
 
 
 def validated(s: StudySettings) -> StudySettings:

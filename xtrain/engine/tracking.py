@@ -77,12 +77,17 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
-def init_kwargs(tracker: TrackerConfig, run_dir: Path, main_process: bool, start_step: int) -> dict:
+def init_kwargs(tracker: TrackerConfig, run_dir: Path, main_process: bool, start_step: int,
+                last_logged: int = 0) -> dict:
     """Tracker settings for `init_trackers` (which starts trackers on the main process only). A resumed run
-    continues its W&B run; TensorBoard hides what a killed attempt logged after the checkpoint (purge_step)."""
+    continues its W&B run, rewound to the checkpoint where the attempt before logged steps after it (W&B's
+    `resume_from`: the rows of the steps trained again are the new ones); TensorBoard hides what a killed attempt
+    logged after the checkpoint (purge_step)."""
     if tracker.kind is TrackerKind.wandb and main_process:
+        run_id = wandb_run_id(run_dir)
+        again = {"resume_from": f"{run_id}?_step={start_step}"} if last_logged > start_step else {"resume": "allow"}
         return {"wandb": {"dir": str(run_dir), "mode": wandb_mode(tracker.wandb_mode), "name": run_dir.name,
-                          "id": wandb_run_id(run_dir), "resume": "allow"}}
+                          "id": run_id, **again}}
     if tracker.kind is TrackerKind.tensorboard and start_step:
         return {"tensorboard": {"purge_step": start_step + 1}}
     return {}

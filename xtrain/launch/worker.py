@@ -77,6 +77,9 @@ def main() -> None:
             train(run_dir)
     except BaseException as err:
         write_error(run_dir, rank, err, timeout_s)
+        if isinstance(err, ConfigError):  # the driver says it in one line: no traceback from the rank
+            sys.stderr.flush()
+            os._exit(2)
         raise
     # Done: results written, trackers closed, process group destroyed. After ZeRO runs a C++
     # destructor sometimes aborts the interpreter's teardown ("terminate called without an active

@@ -24,6 +24,11 @@ class Task(Protocol):
     batch_unit: str  # what the effective batch counts: "sequences" or "examples"
     perplexity: bool  # eval adds `ppl`, exp(loss)
     metrics: list  # the metrics each eval computes beside the loss (tasks/metrics.py)
+    problem: str | None  # what the metrics' inputs are read as (tasks/metrics.py); None: from the outputs' shapes
+
+    def directions(self) -> dict:
+        """Each eval value (`val_loss`, `val_<metric>`) and whether higher or lower is better (`maximize`,
+        `minimize`, or None where it is not known)."""
 
     def check(self) -> None:
         """On the driver, before anything launches: what the config cannot say is wrong (files, imports, a model's
@@ -41,15 +46,20 @@ class Task(Protocol):
     def build(self, accelerator) -> TaskData:
         """The model and the train/val sets. Every rank calls it; data preparation happens once (main first)."""
 
-    def loss(self, model, batch):
-        """The training loss of a micro-batch (a scalar tensor)."""
+    def weight(self, batch):
+        """What the micro-batch's loss averages over (trained tokens, positions, examples): an int where it is the
+        same on every rank without looking (examples, full blocks), else a tensor."""
+
+    def loss(self, model, batch, per):
+        """The training loss of a micro-batch: its summed loss over `per` (a scalar tensor), the weight one
+        micro-batch of the optimizer step holds on average over its micro-batches and ranks."""
 
     def eval_losses(self, model, batch):
         """Per example of a validation batch, its summed loss and the number of tokens it covers: the eval loss
         is their ratio over the whole split (each token weighs the same)."""
 
     def eval_outputs(self, model, batch):
-        """For tasks with `metrics`: `eval_losses`' two tensors, then each example's prediction and target."""
+        """For tasks with `metrics`: `eval_losses`' two tensors, then each example's outputs (fp32) and target."""
 
     def count(self, batch) -> int:
         """How much of `throughput_unit` the batch trains on (throughput, `train/<unit>_seen`)."""

@@ -1,9 +1,10 @@
 """`task=custom`: the user's own model, datasets, loss and metrics, by `_target_`.
 
 A dataset item is a dict of tensors (its `target`, `label` or `labels` entry the target, the rest the model's
-keyword arguments) or an `(inputs, target)` tuple. The loss is per example (default: cross-entropy), so the val
-loss is exact over the split; the metrics see the whole split's predictions: the class with the highest output,
-or the output itself where there is one per example (regression).
+keyword arguments) or an `(inputs, target)` tuple. The loss is per example, or per position where the targets are
+a class id per position (default: cross-entropy), and averaged as torch's own losses average: over the examples, or
+over the positions whose target is not the loss's `ignore_index`, of the whole optimizer step; the val loss so over
+the whole split. The metrics see the whole split's outputs in the form each takes (tasks/metrics.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,11 +20,13 @@ import torch.nn.functional as F
 
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
+from xtrain.data.collate import CastFloat64
 from xtrain.tasks import metrics as built_in
 from xtrain.tasks.base import TaskData
 
 TARGET_KEYS = ("target", "label", "labels")
 MODEL_FILE, MODEL_NODE = "model.safetensors", "model.json"
+PROBE_VAL = 256  # val items the driver puts through the metrics before launching
 
 
 def importable(code_dir: str | None) -> None:
@@ -92,17 +96,54 @@ class Custom:
     throughput_unit = "examples"
     batch_unit = "examples"  # what the effective batch counts
     perplexity = False
+    problem: str | None = None  # read off the outputs and targets (tasks/metrics.py)
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        self.metrics = built_in.build(list(cfg.task.metrics))
+        importable(cfg.task.code_dir)  # (a metric by _target_ may be the user's)
+        self.metrics = built_in.for_task(cfg)
         self._loss = None
+
+    def directions(self) -> dict[str, str | None]:
+        return built_in.directions(self.metrics)
 
     def check(self) -> None:
         """On the driver, before anything launches: every `_target_` imports and builds, the items have a shape the
-        loop can use, the loss does."""
-        build_datasets(self.cfg)
+        loop can use, and a train batch and a val batch go through the model, the loss and every metric."""
+        train_set, val_set = build_datasets(self.cfg)
         self.loss_fn()
+        model = build_model(self.cfg)
+        batch_size = max(2, self.cfg.trainer.batch_size)
+        with torch.no_grad():
+            self.probe(model, train_set, batch_size, "data.train")
+            model.eval()
+            losses, _, outputs, targets = self.probe(model, val_set, max(batch_size, PROBE_VAL), "data.val")
+        if self.metrics:
+            built_in.compute_all(self.metrics, built_in.Outputs(outputs, targets, self.problem))
+
+    def probe(self, model, dataset, size: int, key: str):
+        """The first `size` items of `dataset` through the model and the loss: a failure is one line."""
+        batch = self.collate(quiet=True)([dataset[i] for i in range(min(size, len(dataset)))])
+        inputs, target = split_of(batch)
+        try:
+            outputs = self.forward(model, inputs)
+        except ConfigError:
+            raise
+        except Exception as err:
+            raise ConfigError(f"model._target_={self.cfg.model.target}: its forward failed on a batch of {key} "
+                              f"({describe(inputs)}): {type(err).__name__}: {one_line(err)}") from None
+        try:
+            return self.per_example(model, batch)
+        except ConfigError:
+            raise
+        except Exception as err:
+            node = self.cfg.task.loss
+            name = f"task.loss._target_={node['_target_']}" if node else "task.loss (cross-entropy)"
+            raise ConfigError(f"{name}: failed on outputs of shape {describe(outputs)} and targets of shape "
+                              f"{describe(target)}: {type(err).__name__}: {one_line(err)}") from None
+
+    def collate(self, quiet: bool = False):
+        return CastFloat64(quiet=quiet)
 
     def identity(self) -> dict:
         return {"model": self.cfg.model.node()}
@@ -116,13 +157,14 @@ class Custom:
 
     def build(self, accelerator) -> TaskData:
         train_set, val_set = build_datasets(self.cfg)
-        return TaskData(build_model(self.cfg), train_set, val_set, unit="examples")
+        return TaskData(build_model(self.cfg), train_set, val_set, unit="examples", collate=self.collate())
 
     def loss_fn(self):
         if self._loss is None:
             node = self.cfg.task.loss
             if node is None:
                 self._loss = lambda outputs, target: F.cross_entropy(outputs.float(), target, reduction="none")
+                self.ignore_index = -100
             else:
                 importable(self.cfg.task.code_dir)
                 target = built_in.resolve("task.loss", node["_target_"])
@@ -133,40 +175,77 @@ class Custom:
                         module.reduction = "none"  # per example: the val loss is exact over the split
                     self._loss = module
                 else:
+                    if "reduction" not in kwargs and takes_reduction(target):  # torch.nn.functional's losses
+                        kwargs["reduction"] = "none"
                     self._loss = (lambda f, kw: lambda o, t: f(o, t, **kw))(target, kwargs)
+                self.ignore_index = getattr(self._loss, "ignore_index", kwargs.get("ignore_index", -100))
         return self._loss
 
-    def forward(self, model, inputs):
+    def forward(self, model, inputs) -> torch.Tensor:
+        """The model's outputs as a tensor: itself, its `.logits`, a dict's `logits`, or a tuple's first item."""
         out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+        if isinstance(out, Mapping):
+            if "logits" not in out:
+                raise ConfigError(f"model._target_={self.cfg.model.target}: returned a dict with keys "
+                                  f"{', '.join(map(str, out))}; return the outputs as a tensor, or under 'logits'")
+            return out["logits"]
         if hasattr(out, "logits"):
             return out.logits
         return out[0] if isinstance(out, (tuple, list)) else out
 
-    def per_example(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def per_position(self, target: torch.Tensor) -> bool:
+        """Targets with one class id per position (a sequence's): the loss counts the positions, not the examples."""
+        return target.dim() >= 2 and not target.is_floating_point()
+
+    def per_example(self, model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per example of the batch: its summed loss over what counts and how much counts (1, or its positions
+        whose target is not the loss's ignore_index), then the outputs and targets."""
         inputs, target = split_of(batch)
         outputs = self.forward(model, inputs)
         losses = self.loss_fn()(outputs, target)
+        n = len(target)
+        shapes = f"outputs of shape {tuple(outputs.shape)} and targets of shape {tuple(target.shape)}"
         if losses.dim() == 0:
             raise ConfigError("task.loss: returned one value for the batch; return one loss per example "
                               "(reduction='none')")
+        if n > 1 and losses.numel() > max(outputs.numel(), target.numel()):
+            raise ConfigError(f"task.loss: gave losses of shape {tuple(losses.shape)} for {shapes}: the two broadcast "
+                              "against each other; give them one shape (the model returning outputs.squeeze(-1), or "
+                              f"targets of shape {tuple(outputs.shape)})")
+        if self.per_position(target):
+            if losses.numel() != target.numel():
+                raise ConfigError(f"task.loss: gave losses of shape {tuple(losses.shape)} for {shapes}; return one "
+                                  "loss per position (reduction='none'), so that the positions that count are averaged")
+            counts = target != self.ignore_index
+            sums = torch.where(counts, losses.reshape(target.shape).float(), 0.0).reshape(n, -1).sum(dim=1)
+            return sums, counts.reshape(n, -1).sum(dim=1), outputs, target
+        if losses.shape[0] != n:
+            raise ConfigError(f"task.loss: gave losses of shape {tuple(losses.shape)} for {shapes}; return one loss "
+                              "per example (reduction='none')")
         if losses.dim() > 1:  # e.g. per label: an example's loss is their mean
-            losses = losses.reshape(len(target), -1).mean(dim=1)
-        return losses.float(), outputs, target
+            losses = losses.reshape(n, -1).mean(dim=1)
+        return losses.float(), torch.ones_like(losses, dtype=torch.long), outputs, target
 
-    def loss(self, model, batch) -> torch.Tensor:
-        return self.per_example(model, batch)[0].mean()
+    def weight(self, batch):
+        """What the batch's loss is an average over: its examples, or its positions that count."""
+        target = split_of(batch)[1]
+        if self.per_position(target):
+            self.loss_fn()
+            return (target != self.ignore_index).sum()
+        return len(target)
+
+    def loss(self, model, batch, per) -> torch.Tensor:
+        """The batch's summed loss over `per`, the examples (or positions) one micro-batch of the step holds."""
+        return self.per_example(model, batch)[0].sum() / per
 
     def eval_losses(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, _, _ = self.per_example(model, batch)
-        return losses, torch.ones_like(losses)
+        losses, counts, _, _ = self.per_example(model, batch)
+        return losses, counts
 
     def eval_outputs(self, model, batch) -> tuple[torch.Tensor, ...]:
-        """Per example: its loss, its weight (1), its prediction and its target."""
-        losses, outputs, target = self.per_example(model, batch)
-        return losses, torch.ones_like(losses), self.predict(outputs), target
-
-    def predict(self, outputs: torch.Tensor) -> torch.Tensor:
-        return predictions(outputs)
+        """Per example: its summed loss, what it counts, its outputs (fp32) and its target."""
+        losses, counts, outputs, target = self.per_example(model, batch)
+        return losses, counts, outputs.detach().float(), target
 
     def count(self, batch) -> int:
         """Examples the batch trains on (the throughput's unit for this task)."""
@@ -189,11 +268,26 @@ class Custom:
         raise ConfigError("trainer.sample_prompts: answering prompts is for task=causal_lm")
 
 
-def predictions(outputs: torch.Tensor) -> torch.Tensor:
-    """The predicted class (the highest output) where there are several per example; else the output."""
-    if outputs.dim() == 2 and outputs.shape[1] > 1:
-        return outputs.argmax(dim=1)
-    return outputs.reshape(len(outputs)).float()
+def takes_reduction(function) -> bool:
+    import inspect
+
+    try:
+        return "reduction" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
+def describe(inputs) -> str:
+    """Tensors' shapes and dtypes, as an error line shows them: `(32, 1) (float32)`."""
+    if isinstance(inputs, dict):
+        return ", ".join(f"{k}: {describe(v)}" for k, v in inputs.items())
+    if torch.is_tensor(inputs):
+        return f"{tuple(inputs.shape)} ({str(inputs.dtype).removeprefix('torch.')})"
+    return type(inputs).__name__
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300]
 
 
 def load(path: Path) -> torch.nn.Module:

@@ -24,12 +24,24 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     meta = task_for(cfg).on_meta()
     n_params = sum(p.numel() for p in meta.parameters())
     wrap = plugins.fsdp_wrap_layer(cfg.strategy.wrap_layer, meta) if cfg.strategy.name is Strategy.fsdp else ""
-    trainable = None
+    trainable, quantized = None, 0
     if cfg.model.lora.enabled:
         from xtrain.tasks import lora
 
         trainable = lora.trainable_parameters(meta, cfg.model.lora)
+        quantized = lora.quantized_parameters(meta, cfg.model.lora)
     hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
     if hidden is None:  # a module without a transformers config: ZeRO's buckets sized by its largest weight
         hidden = max((int(p.numel() ** 0.5) for p in meta.parameters()), default=1)
-    return n_params, plugins.ModelFacts(hidden_size=hidden, wrap_layer=wrap, trainable=trainable)
+    return n_params, plugins.ModelFacts(hidden_size=hidden, wrap_layer=wrap, trainable=trainable, quantized=quantized)
+
+
+def stored_numel(p) -> int:
+    """The parameter's element count as the model has it: a ZeRO-3 partition's whole (`ds_numel`; its own numel()
+    is 0), a 4-bit weight's unpacked shape (bitsandbytes packs two into a byte)."""
+    if hasattr(p, "ds_numel"):
+        return p.ds_numel
+    quant_state = getattr(p, "quant_state", None)
+    if quant_state is not None and getattr(quant_state, "shape", None) is not None:
+        return quant_state.shape.numel()
+    return p.numel()

@@ -37,6 +37,7 @@ def vit(num_labels: int, num_channels: int = 3, image_size: int = 224, **setting
 class ImageCls(Custom):
     throughput_unit = "examples"
     perplexity = False
+    problem = metrics.MULTICLASS
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)

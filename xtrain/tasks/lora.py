@@ -2,10 +2,11 @@
 
 `adapt` wraps the loaded model (`get_peft_model`); only the adapters (and `modules_to_save`) require grad, so
 the optimizer, the gradients and the checkpoints (checkpoint.py) hold only them. `export` writes the
-adapter in PEFT's own format (`adapter/`) and the merged model (`model/`): the trained model merged in place
-where it is whole on the main process (one process, DDP); under FSDP2 and ZeRO-3 the base loaded again from
-`model.name_or_path` with the adapter's full tensors put in, merged and unloaded. The adapter tensors come from
-the run's full state dict (gathered under FSDP2 and ZeRO-3), so no rank's shard is saved as the whole.
+adapter in PEFT's own format (`adapter/`) and the merged model (`model/`): the base loaded again from
+`model.name_or_path` (in full precision, a QLoRA run's too) with the adapter's tensors put in, merged and unloaded.
+The model being trained is never touched (peft's merge works in place: merged there, the adapters would stop
+training after an export at an eval). The adapter tensors come from the run's full state dict (gathered under
+FSDP2 and ZeRO-3), so no rank's shard is saved as the whole.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from xtrain.config.schema import LoraConfig, ModelConfig
+from xtrain.config.schema import BaseQuantization, LoraConfig, ModelConfig
 from xtrain.core.errors import ConfigError
 
 ALL_LINEAR = "all-linear"  # peft: every linear layer but the output head
@@ -58,6 +59,15 @@ def trainable_parameters(meta_model, lora: LoraConfig) -> int:
     return trained + sum(p.numel() for p in saved.values())
 
 
+def quantized_parameters(meta_model, lora: LoraConfig) -> int:
+    """The base's parameters QLoRA holds in 4 bits: every linear layer's weight but the output head's (which
+    transformers keeps in full precision), counted, not built; 0 without `quantize_base`."""
+    if lora.quantize_base is BaseQuantization.none:
+        return 0
+    head = meta_model.get_output_embeddings()
+    return sum(m.weight.numel() for m in meta_model.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+
+
 def adapt(model, lora: LoraConfig, task_type: str = "CAUSAL_LM"):
     from peft import get_peft_model
 
@@ -66,25 +76,23 @@ def adapt(model, lora: LoraConfig, task_type: str = "CAUSAL_LM"):
 
 def export(peft_model, state_dict: dict, model_cfg: ModelConfig, out: Path, tokenizer, load_base=None,
            task_type: str = "CAUSAL_LM") -> None:
-    """`out/adapter`: the adapter in PEFT's format; `out/model`: the base with the adapter merged in. `load_base`
-    loads the base model again where the trained one is sharded (default: a causal LM from `name_or_path`)."""
+    """`out/adapter`: the adapter in PEFT's format; `out/model`: the base with the adapter merged in, on a copy of
+    the base `load_base` loads (default: a causal LM from `name_or_path`), never on the model being trained."""
     from peft import get_peft_model, set_peft_model_state_dict
     from peft.utils import get_peft_model_state_dict
 
     full = _peft_keys(peft_model, state_dict)
-    adapter_state = get_peft_model_state_dict(peft_model, state_dict=full)
+    adapter_state = {key: value.detach().clone() for key, value in
+                     get_peft_model_state_dict(peft_model, state_dict=full).items()}
     peft_model.save_pretrained(out / "adapter", state_dict=full, safe_serialization=True)  # (peft picks the adapter's)
     tokenizer.save_pretrained(out / "adapter")
-    if whole(peft_model):  # the trained model itself, merged in place: no second copy of the base
-        merged = peft_model.merge_and_unload()
-    else:  # a rank's shards: the base loaded again on this process, the gathered adapter put in
-        with without_zero3_init():
-            base = (load_base or (lambda: _causal_lm(model_cfg)))()
-        fresh = get_peft_model(base, peft_config(model_cfg.lora, task_type))
-        loaded = set_peft_model_state_dict(fresh, adapter_state)
-        if loaded.unexpected_keys:
-            raise RuntimeError(f"adapter keys the model does not have: {loaded.unexpected_keys[:4]}")
-        merged = fresh.merge_and_unload()
+    with without_zero3_init():  # the base again, on this process only, the adapter put in
+        base = (load_base or (lambda: _causal_lm(model_cfg)))()
+    fresh = get_peft_model(base, peft_config(model_cfg.lora, task_type))
+    loaded = set_peft_model_state_dict(fresh, adapter_state)
+    if loaded.unexpected_keys:
+        raise RuntimeError(f"adapter keys the model does not have: {loaded.unexpected_keys[:4]}")
+    merged = fresh.merge_and_unload()
     merged.save_pretrained(out / "model", safe_serialization=True)
     tokenizer.save_pretrained(out / "model")
 
@@ -93,13 +101,6 @@ def _causal_lm(model_cfg: ModelConfig):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(os.path.expanduser(model_cfg.name_or_path), dtype=torch.float32)
-
-
-def whole(model) -> bool:
-    """Every parameter is whole on this process (not an FSDP2 shard, not a ZeRO-3 partition)."""
-    from torch.distributed.tensor import DTensor
-
-    return not any(isinstance(p, DTensor) or hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _peft_keys(peft_model, state_dict: dict) -> dict:

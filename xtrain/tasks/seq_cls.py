@@ -21,6 +21,7 @@ from xtrain.tasks import lora
 from xtrain.tasks import pretrained
 from xtrain.tasks import metrics as built_in
 from xtrain.tasks.base import TaskData
+from xtrain.tasks import custom
 from xtrain.tasks.custom import Custom
 
 log = logging.getLogger("xtrain")
@@ -38,7 +39,12 @@ class SeqCls(Custom):
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.task = cfg.task
-        self.metrics = built_in.build(list(cfg.task.metrics))
+        custom.importable(cfg.task.code_dir)  # (a metric by _target_ may be the user's)
+        self.metrics = built_in.for_task(cfg)
+        self.problem = {Problem.single_label: built_in.MULTICLASS, Problem.multi_label: built_in.MULTILABEL,
+                        Problem.regression: built_in.REGRESSION}[cfg.task.problem]
+        self._loss = None
+        self.ignore_index = -100
         self.tokenizer = None
         self.label_names = None
 
@@ -74,9 +80,9 @@ class SeqCls(Custom):
         with torch.device("meta"):
             return AutoModelForSequenceClassification.from_config(hf_config)
 
-    def load_pretrained(self):
+    def load_pretrained(self, quiet: bool = False):
         """The pretrained model with a classification head; transformers' load report (the head is new, as
-        expected) becomes one log line naming what was newly initialized."""
+        expected) becomes one log line naming what was newly initialized (`quiet`: none)."""
         from transformers import AutoModelForSequenceClassification
         from transformers.utils import logging as hf_logging
 
@@ -92,7 +98,7 @@ class SeqCls(Custom):
             raise pretrained.cannot_load(self.cfg.model, err) from None
         finally:
             report.removeFilter(quiet)
-        if info.get("missing_keys"):
+        if info.get("missing_keys") and not quiet:
             log.info("model: newly initialized (not in %s): %s", self.cfg.model.name_or_path,
                      ", ".join(sorted(info["missing_keys"])))
         return model
@@ -117,13 +123,6 @@ class SeqCls(Custom):
             return lambda logits, target: F.mse_loss(logits.float().reshape(-1), target, reduction="none")
         return lambda logits, target: F.cross_entropy(logits.float(), target, reduction="none")
 
-    def predict(self, outputs: torch.Tensor) -> torch.Tensor:
-        if self.task.problem is Problem.multi_label:
-            return (outputs > 0).long()  # each label's decision; a metric sees (examples, labels)
-        if self.task.problem is Problem.regression:
-            return outputs.float().reshape(-1)
-        return outputs.argmax(dim=1)
-
     def export(self, model, state_dict: dict, out: Path) -> None:
         """`out/model`: `save_pretrained` with the tokenizer (loads with AutoModelForSequenceClassification); with
         LoRA the base with the adapter merged in and the trained head, and `out/adapter` in PEFT's format."""
@@ -131,7 +130,7 @@ class SeqCls(Custom):
 
         hf_logging.disable_progress_bar()
         if self.cfg.model.lora.enabled:
-            lora.export(model, state_dict, self.cfg.model, out, self.tokenizer, load_base=self.load_pretrained,
+            lora.export(model, state_dict, self.cfg.model, out, self.tokenizer, load_base=lambda: self.load_pretrained(quiet=True),
                         task_type="SEQ_CLS")
             return
         model.save_pretrained(out / "model", state_dict=state_dict, safe_serialization=True)

@@ -26,6 +26,7 @@ class CausalLM:
     batch_unit = "sequences"  # what the effective batch counts
     perplexity = True
     metrics: list = []
+    problem = None
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -75,8 +76,24 @@ class CausalLM:
         pads = {"input_ids": self.tokenizer.pad_token_id, "labels": NOT_TRAINED}
         return TaskData(model, train_set, val_set, unit="examples", collate=PadToLongest(pads))
 
-    def loss(self, model, batch) -> torch.Tensor:
-        return model(**inputs(batch), labels=targets(batch)).loss
+    def directions(self) -> dict[str, str]:
+        return {"val_loss": "minimize", "val_ppl": "minimize"}
+
+    def weight(self, batch):
+        """The tokens the batch's loss averages over: every next-token target of a text block; the trained ones
+        (answers, not padding) of examples."""
+        if "labels" in batch:
+            return (batch["labels"][:, 1:] != IGNORE).sum()
+        ids = batch["input_ids"]
+        return ids.shape[0] * (ids.shape[1] - 1)
+
+    def loss(self, model, batch, per) -> torch.Tensor:
+        """The batch's summed next-token loss (in fp32) over `per`, the trained tokens one micro-batch of the step
+        holds (transformers' own loss does the same given `num_items_in_batch`)."""
+        logits = model(**inputs(batch)).logits
+        shifted = F.pad(targets(batch)[:, 1:], (0, 1), value=IGNORE)
+        return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE,
+                               reduction="sum") / per
 
     def eval_losses(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's summed next-token loss over its trained tokens, and their number."""

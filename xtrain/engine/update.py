@@ -1,0 +1,76 @@
+"""One optimizer step: its micro-batches, each one's loss averaged over what the whole step trains on (the task's
+`weight`, across micro-batches and ranks: `grad_accum=k` trains as a k times larger batch), and the one all-reduce
+after it by which every rank agrees on its loss, its count and whether to stop."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from accelerate import Accelerator
+
+from xtrain.config.schema import TrainerConfig
+from xtrain.core import stopping
+from xtrain.core.errors import Diverged
+from xtrain.tasks.base import Task
+
+
+def optimizer_step(accelerator: Accelerator, c, batches, grad_accum: int, max_grad_norm: float):
+    """One optimizer step over `grad_accum` micro-batches of the loop's components `c`; returns their summed loss,
+    this rank's count of the task's unit (tokens, examples) and the learning rate the step used. The loss is averaged
+    over what the whole step trains on, across its micro-batches and ranks (the task's `weight`: trained tokens,
+    examples), so `grad_accum=k` trains as a k times larger batch does. The schedule counts optimizer steps taken: a
+    step the loss scaler skipped (fp16 overflow) does not advance it."""
+    micro = [next(batches) for _ in range(grad_accum)]
+    per = per_micro_batch(accelerator, c.task, micro)
+    loss_sum, count = torch.zeros((), device=accelerator.device), 0
+    lr = c.optimizer.param_groups[0]["lr"]  # (a resume with a new lr set it there, not in the schedule's record)
+    for batch in micro:
+        count += c.task.count(batch)
+        with accelerator.accumulate(c.model):
+            loss = c.task.loss(c.model, batch, per)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and max_grad_norm > 0:
+                accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
+            c.optimizer.step()
+            c.optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss.detach()
+    if not accelerator.optimizer_step_was_skipped:
+        c.scheduler.step()
+    return loss_sum, count, lr
+
+
+def per_micro_batch(accelerator: Accelerator, task: Task, micro: list):
+    """What one micro-batch's loss is divided by: the step's total weight (over its micro-batches and every rank) per
+    micro-batch and rank. Accelerate divides each loss by grad_accum and DDP averages gradients over ranks, so the
+    step's gradient is that of the summed loss over the total. Weights the task counts without looking (examples,
+    full blocks) are the same on every rank: no collective."""
+    weights = [task.weight(batch) for batch in micro]
+    if not any(torch.is_tensor(w) for w in weights):
+        return sum(weights) / len(micro)
+    total = torch.stack([torch.as_tensor(w, device=accelerator.device) for w in weights]).sum().double()
+    if accelerator.num_processes > 1:
+        torch.distributed.all_reduce(total)
+        total = total / accelerator.num_processes
+    return (total / len(micro)).float()
+
+
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, grad_accum: int, step: int,
+                  last_finite: tuple[int, float] | None, trainer: TrainerConfig) -> tuple[float, int, bool]:
+    """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
+    the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
+    every rank alike (all see the mean)."""
+    asked = float(stopping.requested() is not None)
+    if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
+        mean_loss_sum, stop, mean_count = loss_sum.item(), asked, count
+    else:
+        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(count)], device=loss_sum.device)])
+        mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
+    loss = mean_loss_sum / grad_accum
+    if not math.isfinite(loss):
+        before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
+        raise Diverged(
+            f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
+            f"(now {trainer.lr:g}) or raise trainer.warmup_steps (now {trainer.warmup_steps})"
+        )
+    return loss, round(mean_count * accelerator.num_processes), stop > 0
