@@ -123,6 +123,9 @@ def test_a_custom_run_killed_and_resumed_ends_bitwise_equal_with_its_best_values
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     assert read_result(run_dir)["status"] == "running"  # killed mid-run: nothing recorded an end
+    from xtrain.commands import status
+
+    assert status.run_status(run_dir).startswith(f"run {run_dir}: lost, step ")  # its process is gone
     run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "resume=auto", cwd=project)
     assert_equal_weights(digits_run, run_dir)
     resumed, unbroken = read_result(run_dir), read_result(digits_run)
@@ -227,16 +230,35 @@ STUDY = ["hydra/sweeper=xtrain_optuna", "hydra.sweeper.objective=val_accuracy", 
 
 
 def test_a_study_maximises_a_metric_and_its_summary_ranks_by_it(project, tmp_path):
+    """Each trial is told what the model it kept scored (export=best: its best eval's), and reports its evals at the
+    steps of the space's smallest batch that see as many examples: trials of batch 32 report step 10 as step 20."""
     import csv
+
+    import optuna
+
+    from xtrain.engine import study_settings
 
     sweep_dir = tmp_path / "study"
     run_xtrain("-m", f"run_dir={sweep_dir}", *SPELLED, *STUDY, "hydra.sweeper.direction=maximize",
-               "hydra.sweeper.n_trials=4", "hydra.sweeper.pruner_settings.n_startup_trials=2", cwd=project)
+               "hydra.sweeper.n_trials=4", "hydra.sweeper.pruner_settings.n_startup_trials=2", "hydra.sweeper.seed=1",
+               "trainer.batch_size=choice(16,32)", "trainer.monitor=val_accuracy", "trainer.export=best", cwd=project)
     rows = list(csv.DictReader((sweep_dir / "sweep.csv").open()))
     done = [r for r in rows if r["status"] == "completed"]
     assert len(rows) == 4 and done and all(r["val_accuracy"] for r in done)
-    top = max(done, key=lambda r: float(r["val_accuracy"]))
+    top = max(done, key=lambda r: float(r["model_val_accuracy"]))
     assert f"Best (highest val_accuracy): **{top['point']}**" in (sweep_dir / "summary.md").read_text()
+    trials = optuna.load_study(study_name=sweep_dir.name, storage=study_settings.open_storage(
+        str(sweep_dir / study_settings.JOURNAL))).trials
+    batches = set()
+    for row in rows:
+        trial, result = trials[int(row["point"].split("_")[0])], read_result(sweep_dir / row["point"])
+        batch = int(row["trainer.batch_size"])
+        batches.add(batch)
+        evaluated = [r["step"] for r in read_metrics(sweep_dir / row["point"]) if "val/accuracy" in r and r["step"]]
+        assert sorted(trial.intermediate_values) == [step * batch // 16 for step in evaluated]
+        if trial.state.name == "COMPLETE":
+            assert trial.value == result["model_eval"]["val_accuracy"] == result["best_val_accuracy"]
+    assert batches == {16, 32}
 
 
 @pytest.mark.parametrize("settings,expected", [
@@ -291,10 +313,16 @@ def test_export_best_holds_the_model_of_the_best_eval_and_an_early_stop_ends_at_
 
 
 def test_a_grid_sweep_ranks_its_points_by_the_monitored_metric(monitored_sweep):
+    """By what the model each point kept scored (export=best: its best eval), not by its last eval; the points are
+    examples, not token blocks."""
     import csv
 
     rows = list(csv.DictReader((monitored_sweep / "sweep.csv").open()))
-    top = max(rows, key=lambda r: float(r["val_accuracy"]))
+    for row in rows:
+        result = read_result(monitored_sweep / row["point"])
+        assert float(row["model_val_accuracy"]) == result["best_val_accuracy"] == result["model_eval"]["val_accuracy"]
+        assert row["batch_tokens"] == "" and row["batch_sequences"] == "32"
+    top = max(rows, key=lambda r: float(r["model_val_accuracy"]))
     assert f"Best (highest val_accuracy): **{top['point']}**" in (monitored_sweep / "summary.md").read_text()
     from xtrain.commands import status
 
@@ -302,6 +330,18 @@ def test_a_grid_sweep_ranks_its_points_by_the_monitored_metric(monitored_sweep):
     assert text.splitlines()[0].split()[:9] == ["point", "trainer.early_stop_patience", "status", "steps", "restarts",
                                                 "train_loss", "val_loss", "val_accuracy", "examples_per_s"]
     assert f"best: {top['point']} (val_accuracy " in text
+
+
+def test_a_resumed_sweep_leaves_its_early_stopped_point_as_it_was(monitored_sweep, project, tmp_path):
+    """An early stop completes a point: resuming the sweep trains neither point again, nor rewrites its files."""
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(monitored_sweep, sweep_dir)
+    stopped = sweep_dir / POINTS[1]
+    files = {path: path.read_bytes() for path in stopped.rglob("*") if path.is_file()}
+    run_xtrain("-m", f"run_dir={sweep_dir}", *SPELLED, *TRAINER, *MONITORED, "trainer.early_stop_patience=0,1",
+               "resume=auto", cwd=project)
+    assert {path: path.read_bytes() for path in stopped.rglob("*") if path.is_file()} == files
+    assert read_result(stopped)["steps"] < 200 and "early_stop" in read_result(stopped)
 
 
 def test_an_early_stopped_run_resumes_from_its_stop_to_the_unbroken_weights(monitored_sweep, digits_run, project,

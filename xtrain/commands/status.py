@@ -35,6 +35,8 @@ def sweep_status(sweep_dir: Path) -> str:
     shown = [summary.throughput_column(table) if c == "tokens_per_s" else c for c in SHOWN]
     if objective not in shown:
         shown.insert(shown.index("val_loss") + 1, objective)
+    if any(r.get("model_step", "") != "" for r in table):  # the model each point kept, which ranks it
+        shown += ["model_step", f"model_{objective}"]
     columns = shown[:1] + keys + shown[1:]
     if any(jobs.values()):
         for r in table:
@@ -52,7 +54,8 @@ def sweep_status(sweep_dir: Path) -> str:
                      f"asked ({told}); pruner {record['pruner']}")
     lines += worker_lines(sweep_dir)
     if top:
-        lines.append(f"best: {top['point']} ({objective} {top[objective]:.4f})")
+        lines.append(f"best: {top['point']} ({objective} {summary.fmt(summary.scored(top, objective))} at step "
+                     f"{top.get('model_step') or top['steps']}, the model it kept)")
     lines.append(f"files: {sweep_dir / summary.MARKDOWN}, {sweep_dir / summary.CSV}, {sweep_dir / summary.PLOT}")
     return "\n".join(lines)
 

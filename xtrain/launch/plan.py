@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from xtrain.config.schema import ModelConfig, RunConfig, Strategy, TargetModel
+from xtrain.config.schema import DataConfig, ModelConfig, RunConfig, Strategy, TargetModel, TaskKind
+from xtrain.config.task import block_tokens
 from xtrain.distributed import plugins
 from xtrain.distributed.estimate import GB, Memory, first_fit, model_state_memory
 from xtrain.tasks.facts import model_facts
@@ -37,11 +38,11 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Pla
         settings = plugins.fsdp_settings(cfg.strategy, facts)
     else:
         settings = {}
-    memory = model_state_memory(n_params, cfg, facts.trainable)
+    memory = model_state_memory(n_params, cfg, facts.trainable, facts.quantized)
     device_gb = cfg.cluster.gpu_memory_gb or local_gpu_gb
     fit = None
     if device_gb is not None and memory.total > device_gb * GB:
-        fit = first_fit(n_params, cfg, device_gb * GB)
+        fit = first_fit(n_params, cfg, device_gb * GB, facts.trainable, facts.quantized)
     return Plan(cfg, n_params, facts, memory, device_gb, fit, refusal, settings)
 
 
@@ -54,8 +55,7 @@ def render(plan: Plan) -> str:
         f"  topology     {c.nodes} node(s) x {c.processes_per_node} process(es) = world size {c.world_size} "
         f"(cluster={c.kind.value})",
         f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
-        + (f"sequences = {effective * cfg.data.block_size} tokens per optimizer step" if hasattr(cfg.data, "block_size")
-           else "examples per optimizer step"),
+        + batch_unit(cfg, effective),
         f"  model        {_model_name(cfg.model)}: {plan.n_params:,} parameters (counted on the meta device)"
         + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
@@ -65,6 +65,9 @@ def render(plan: Plan) -> str:
         "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
         "fp32 4+4+8; activations not included)",
     ]
+    if plan.facts.quantized:
+        lines.append(f"               ({plan.facts.quantized:,} base weights in 4 bits: 0.5 bytes each, "
+                     "no gradients or optimizer state)")
     if plan.device_memory_gb is None:
         lines.append("  fits         unknown: set cluster.gpu_memory_gb to check")
     elif plan.fits:
@@ -81,6 +84,18 @@ def render(plan: Plan) -> str:
         body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
         lines.append(f"  {title}:\n  {body}")
     return "\n".join(lines)
+
+
+def batch_unit(cfg: RunConfig, effective: int) -> str:
+    """What an optimizer step's examples are: token blocks (counted in tokens), padded sequences, or examples."""
+    data = cfg.data
+    block = block_tokens(cfg.task.name.value, {"block_size": data.block_size, "source": data.source.value,
+                                               "packing": data.packing}) if isinstance(data, DataConfig) else None
+    if block is not None:
+        return f"sequences = {effective * block} tokens per optimizer step"
+    if cfg.task.name is TaskKind.causal_lm:
+        return "sequences per optimizer step (each padded to the longest of its batch)"
+    return "examples per optimizer step"
 
 
 def size(n_bytes: float) -> str:

@@ -72,14 +72,22 @@ class Study:
                 raise ConfigError(f"the search space's corner {' '.join(swept)} cannot run: "
                                   f"{str(err).split(': ', 1)[-1]}") from None
         self.corners = points
+        self.s.examples_per_step = min(p.cfg.trainer.batch_size * p.cfg.trainer.grad_accum * p.cfg.cluster.world_size
+                                       for p in points)
         objective = self.s.objective
         if objective.startswith("val_"):
             from xtrain.config.task import eval_values
+            from xtrain.tasks.registry import task_for
 
             computed = eval_values(points[0].cfg.task)
             if objective not in computed:
                 raise ConfigError(f"hydra.sweeper.objective={objective}: the task does not compute it; it computes "
                                   f"{', '.join(computed)}")
+            known = task_for(points[0].cfg).directions().get(objective)
+            if known is not None and known != self.s.direction:
+                better = "higher" if known == "maximize" else "lower"
+                raise ConfigError(f"hydra.sweeper.direction={self.s.direction}: {objective} is better when {better}; "
+                                  f"use hydra.sweeper.direction={known}")
         if not self.on_slurm:
             self.backend.check_points(points, n_jobs=self.s.n_jobs, setting="hydra.sweeper.n_jobs")
         log.info("study: %d trials, %s %s, sampler %s, pruner %s; the space's %d corner(s) checked",
@@ -218,7 +226,7 @@ class Study:
     def tell(self, point: Point) -> None:
         result = rundir.read_result(point.path)
         state = TOLD[result["status"]]
-        value = result.get(self.s.objective) if state == "COMPLETE" else None
+        value = rundir.kept_value(result, self.s.objective) if state == "COMPLETE" else None
         if state == "COMPLETE" and value is None:
             state = "FAIL"
         self.optuna.tell(point.num, value, state=study_state(state))

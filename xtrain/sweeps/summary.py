@@ -1,8 +1,9 @@
 """A sweep's summary files, derived from its points' run dirs and nothing else.
 
 `sweep.csv` (one row per point), `summary.md` (the same table for people, the best point
-marked) and `sweep.png` (val loss curves against tokens seen; the final val loss against one
-swept setting, or a heatmap over two). Any machine that sees the files can regenerate them at
+marked: ranked by what the model each point kept scored) and `sweep.png` (val loss curves against
+tokens seen, or examples where the task has no token blocks; the final val loss against one swept
+setting, or a heatmap over two). Any machine that sees the files can regenerate them at
 any time: a running, a killed or a finished sweep alike.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from xtrain.config.task import known_direction
+from xtrain.config.task import block_tokens, known_direction
 from xtrain.core import rundir
 from xtrain.core.files import write_atomic
 from xtrain.engine import study_settings
@@ -60,12 +61,14 @@ def latest_train_row(path: Path) -> tuple:
     return "", ""
 
 
-def run_row(path: Path) -> dict:
-    """One run dir's figures (status `pending` where it has not started)."""
+def run_row(path: Path, objective: str | None = None) -> dict:
+    """One run dir's figures (status `pending` where it has not started, `lost` where its process is gone without
+    recording an end). `objective`: also the step of the model in `model/` and the value it scored
+    (`model_<objective>`), which ranks the run."""
     result = rundir.read_result(path)
     cfg = run_config(path)
     row = {column: result.get(column, "") for column in COLUMNS}
-    row["status"] = result.get("status", rundir.PENDING)
+    row["status"] = rundir.shown_status(path)
     row["restarts"] = len(result.get("restarts", []))  # resumed in its own run dir: requeues, resume=auto
     row["steps_lost"] = result.get("steps_lost", 0)
     for column, key in (("peak_rss_mb", "peak_rss_bytes"), ("peak_device_mb", "peak_device_memory_bytes")):
@@ -76,20 +79,26 @@ def run_row(path: Path) -> dict:
     if cfg:
         world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
         sequences = cfg["trainer"]["batch_size"] * cfg["trainer"]["grad_accum"] * world
-        tokens = sequences * cfg["data"]["block_size"] if "block_size" in cfg["data"] else ""
-        row.update(batch_sequences=sequences, batch_tokens=tokens, world_size=result.get("world_size", world))
+        block = block_tokens(cfg.get("task", {}).get("name", "causal_lm"), cfg["data"])
+        row.update(batch_sequences=sequences, batch_tokens=sequences * block if block else "",
+                   world_size=result.get("world_size", world))
     row.update({key: value for key, value in result.items()  # a task's own: val_<metric>, examples_per_s
                 if (key.startswith("val_") or key.endswith("_per_s")) and key not in row})
+    if objective is not None:
+        kept = rundir.kept_value(result, objective)
+        row.update(model_step=result.get("model_step", ""), **{f"model_{objective}": "" if kept is None else kept})
     return row
 
 
 def rows(sweep_dir: Path) -> list[dict]:
     entries = rundir.sweep_points(sweep_dir)
     keys = swept_keys(entries)
+    objective, _ = ranking(sweep_dir)
     out = []
     for entry in entries:
         values = dict(o.partition("=")[::2] for o in entry["overrides"])
-        out.append({"point": entry["dir"], **{k: values.get(k, "") for k in keys}, **run_row(Path(sweep_dir) / entry["dir"])})
+        out.append({"point": entry["dir"], **{k: values.get(k, "") for k in keys},
+                    **run_row(Path(sweep_dir) / entry["dir"], objective)})
     columns = list(dict.fromkeys(key for row in out for key in row))  # a pending point lacks its task's values
     return [{key: row.get(key, "") for key in columns} for row in out]
 
@@ -101,10 +110,15 @@ def study_record(sweep_dir: Path) -> dict:
 
 
 def ranking(sweep_dir: Path) -> tuple[str, str]:
-    """(value, direction) that ranks the points: a study's objective; else the points' `trainer.monitor`."""
+    """(value, direction) that ranks the points: a study's objective; else the points' `trainer.monitor`, in the
+    direction their runs judged it (result.json's `monitor`)."""
     record = study_record(sweep_dir)
     if record:
         return record.get("objective", "val_loss"), record.get("direction", "minimize")
+    for entry in rundir.sweep_points(sweep_dir):
+        monitor = rundir.read_result(Path(sweep_dir) / entry["dir"]).get("monitor")
+        if monitor:
+            return monitor["name"], monitor["direction"]
     for entry in rundir.sweep_points(sweep_dir):
         trainer = run_config(Path(sweep_dir) / entry["dir"]).get("trainer")
         if trainer:
@@ -119,15 +133,28 @@ def throughput_column(table: list[dict]) -> str:
     return found[0] if found else "tokens_per_s"
 
 
+def scored(row: dict, objective: str):
+    """The value that ranks a point: what the model it kept scored (`model_<objective>`), else its last value."""
+    kept = row.get(f"model_{objective}", "")
+    return kept if kept != "" else row.get(objective)
+
+
 def best(table: list[dict], objective: str = "val_loss", direction: str = "minimize") -> dict | None:
-    done = [r for r in table if r["status"] == "completed" and isinstance(r.get(objective), float)]
+    done = [r for r in table if r["status"] == "completed" and isinstance(scored(r, objective), float)
+            and math.isfinite(scored(r, objective))]
     pick = max if direction == "maximize" else min
-    return pick(done, key=lambda r: r[objective]) if done else None
+    return pick(done, key=lambda r: scored(r, objective)) if done else None
 
 
 def fmt(value) -> str:
-    if isinstance(value, float):  # losses to 4 decimals, ppl and seconds to 2, throughput whole
-        return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
+    """Losses to 4 decimals, ppl and seconds to 2, throughput whole; at least 3 significant digits (3e-05, not
+    0.0000)."""
+    if isinstance(value, float):
+        if value == 0 or not math.isfinite(value):
+            return str(value)
+        text = f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}" if abs(value) < 1000 else f"{value:.0f}"
+        significant = text.lstrip("-0.").replace(".", "")
+        return text if len(significant) >= 3 or abs(value) >= 1000 else f"{value:.3g}"
     return str(value)
 
 
@@ -147,7 +174,9 @@ def markdown(sweep_dir: Path, table: list[dict]) -> str:
                   f"{record['storage']}", ""]
     if top:
         lowest = "highest" if direction == "maximize" else "lowest"
-        lines += [f"Best ({lowest} {objective}): **{top['point']}**, {objective} {top[objective]:.4f}", ""]
+        step = f" (its model/, step {top['model_step']})" if top.get("model_step", "") != "" else ""
+        lines += [f"Best ({lowest} {objective}): **{top['point']}**, {objective} {fmt(scored(top, objective))}{step}",
+                  ""]
     pictures = [name for name in [PLOT, *study_settings.PLOTS] if (Path(sweep_dir) / name).exists()]
     if record and pictures:
         lines += ["Pictures: " + ", ".join(f"[{name}]({name})" for name in pictures), ""]
@@ -179,7 +208,7 @@ def write(sweep_dir: Path, picture: bool = True) -> list[dict]:
 
 
 def _val_curve(path: Path, per_step: int) -> tuple[list[float], list[float]]:
-    """Val loss against tokens seen (`per_step` tokens per optimizer step)."""
+    """Val loss against what was seen (`per_step` tokens or examples per optimizer step)."""
     metrics = path / rundir.METRICS
     if not per_step or not metrics.exists():
         return [], []
@@ -212,12 +241,13 @@ def plot(sweep_dir: Path, table: list[dict]) -> None:
     grid = 0 < len(keys) <= 2 and not study_record(sweep_dir)  # a study's sampled values make no grid: Optuna draws it
     fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 7, 4.8), squeeze=False)
     curves = axes[0][0]
+    tokens = all(r["batch_tokens"] != "" for r in table if r["batch_sequences"] != "")  # else examples
     for r in table:
-        xs, ys = _val_curve(Path(sweep_dir) / r["point"], r["batch_tokens"])
+        xs, ys = _val_curve(Path(sweep_dir) / r["point"], r["batch_tokens"] if tokens else r["batch_sequences"])
         if xs:
             label = " ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys) or r["point"]
             curves.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({r['status']})")
-    curves.set(xlabel="tokens seen", ylabel="val loss", title="validation loss")
+    curves.set(xlabel="tokens seen" if tokens else "examples seen", ylabel="val loss", title="validation loss")
     curves.grid(alpha=0.3)
     if curves.lines:
         curves.legend(fontsize=8)

@@ -25,7 +25,7 @@ from xtrain.config.schema import TrainerConfig
 from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, SweepFailed, explain
 from xtrain.core.rundir import Status
-from xtrain.engine import resume
+from xtrain.engine import reporting, resume
 from xtrain.launch import preflight
 from xtrain.sweeps import summary
 
@@ -100,8 +100,10 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
 
 
 def completed(path: Path, trainer: TrainerConfig) -> bool:
+    """The point has run to its end: `trainer.max_steps`, or an early stop (a resumed sweep leaves it as it is). A
+    run completed at fewer steps than `max_steps` asks now (raised with resume_changes=apply) trains on."""
     done = rundir.read_result(path)
-    return done.get("status") == Status.completed and done.get("steps", 0) >= trainer.max_steps
+    return done.get("status") == Status.completed and ("early_stop" in done or done.get("steps", 0) >= trainer.max_steps)
 
 
 def check_same_config(point: Point) -> None:
@@ -208,11 +210,12 @@ def finish(points: list[Point], sweep_dir: Path) -> None:
 def report(point: Point) -> None:
     result = rundir.read_result(point.path)
     if result.get("status") == Status.completed:
-        log.info("point %d completed: val loss %.4f (%s)", point.num, result["val_loss"], point.label)
+        log.info("point %d completed: %s (%s)", point.num, reporting.eval_text(result), point.label)
     else:
         log.info("point %d %s: %s", point.num, result.get("status", "not run"), result.get("error", ""))
 
 
-def final_val_loss(path: Path) -> float | None:
-    """What Hydra's sweepers optimise: the point's final val loss."""
-    return rundir.read_result(path).get("val_loss")
+def kept_score(path: Path) -> float | None:
+    """What Hydra's sweepers optimise: the point's `trainer.monitor` as the model it kept scored it."""
+    result = rundir.read_result(path)
+    return rundir.kept_value(result, (result.get("monitor") or {}).get("name", "val_loss"))

@@ -60,7 +60,7 @@ class _XtrainLauncher(Launcher):
         todo = sweep.prepare_all(points, self.sweep_dir, backend)
         sweep.run(points, todo, self.sweep_dir, backend, **self.options)  # raises SweepFailed if any point failed
         return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
-                          status=JobStatus.COMPLETED, _return_value=sweep.final_val_loss(p.path))
+                          status=JobStatus.COMPLETED, _return_value=sweep.kept_score(p.path))
                 for o, p in zip(overrides, points)]
 
 
