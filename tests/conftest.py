@@ -48,7 +48,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
 BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py",
-                "test_custom_task.py", "test_decorator.py"}
+                "test_custom_task.py", "test_decorator.py", "test_own_loop.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -113,6 +113,7 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
     from xtrain.commands import cli
 
     argv, saved_env, hydra_state, was_in = sys.argv, dict(os.environ), Singleton.get_state(), os.getcwd()
+    modules_before = set(sys.modules)
     sys.argv = ["xtrain", *overrides]
     os.environ.update({"XTRAIN_LAUNCH_TIME": str(time.time()), **(env or {})})  # its time to first step: its own
     os.chdir(cwd)
@@ -137,6 +138,7 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
         GlobalHydra.instance().clear()
         Singleton.set_state(hydra_state)  # Hydra as it was: this process runs other Hydra apps too
         _forget_the_run()
+        _forget_modules_of(Path(cwd), set(sys.modules) - modules_before)
     if check and code != 0:
         raise AssertionError(f"xtrain {' '.join(overrides)} exited {code}:\n{out.getvalue()}\n{err.getvalue()}")
     return subprocess.CompletedProcess(["xtrain", *overrides], code, out.getvalue(), err.getvalue())
@@ -151,10 +153,31 @@ def _forget_the_run() -> None:
     _forget_slurm_partitions()
 
 
+def _forget_modules_of(project: Path, imported: set[str]) -> None:
+    """A user project's modules the run imported (two projects may both have a `mydata`): a process of its own
+    would not have kept them."""
+    if project.resolve() == REPO:
+        return
+    for name in imported:
+        where = getattr(sys.modules.get(name), "__file__", None) or ""
+        if where.startswith(str(project.resolve())):
+            del sys.modules[name]
+
+
 def _forget_slurm_partitions() -> None:
     """SLURM's partitions are read once per process: a run must ask the cluster as it is now."""
     if "xtrain.backends.slurm.submit" in sys.modules:
         sys.modules["xtrain.backends.slurm.submit"].partitions.cache_clear()
+
+
+def example_project(tmp_path_factory, name: str, extra: dict[str, str]) -> Path:
+    """examples/<name> copied outside the package (its modules import only from there), with more modules of the
+    test's own (`extra`: file name -> source)."""
+    where = tmp_path_factory.mktemp("project") / name
+    shutil.copytree(REPO / "examples" / name, where, ignore=shutil.ignore_patterns("runs", "__pycache__"))
+    for file, source in extra.items():
+        (where / file).write_text(source)
+    return where
 
 
 def start_xtrain(*overrides: str, env: dict | None = None, quiet: bool = False, cwd: Path = REPO) -> subprocess.Popen:

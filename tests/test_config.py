@@ -25,7 +25,7 @@ model.lora.enabled model.lora.rank model.lora.alpha model.lora.dropout model.lor
 model.lora.modules_to_save model.lora.quantize_base
 data.source data.files data.name data.config_name data.split data.text_column data.block_size data.val_fraction
 data.max_val_tokens data.num_proc
-data.cache_dir data.format data.train_on data.packing data.chat_template
+data.cache_dir data.format data.train_on data.packing data.chat_template data.test
 task.name task.metrics task.loss task.code_dir task.num_labels task.problem task.label_column task.text_pair_column
 task.num_channels task.image_size task.augment
 strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
@@ -41,7 +41,7 @@ trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmu
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
 trainer.compile trainer.monitor trainer.monitor_direction trainer.export trainer.early_stop_patience
-trainer.early_stop_min_delta
+trainer.early_stop_min_delta trainer.optimizer trainer.scheduler trainer.callbacks
 tracker.kind tracker.project tracker.wandb_mode
 run_dir resume resume_changes dry_run
 """.split()

@@ -26,6 +26,11 @@ def test_the_docs_site_builds_strictly_and_its_reference_lists_every_setting(tmp
         for option in help.options(group):
             assert f"<code>{option}</code>" in reference, (group, option)
     assert "Companion commands:" in (site / "reference" / "cli" / "index.html").read_text()
+    # the reference renders as written: `_target_` not an italic "target", no escaped pipes, names never wrapped
+    assert "<em>target</em>" not in reference and "\\|" not in reference and "<code>_target_</code>" in reference
+    assert "stylesheets/xtrain.css" in reference and "white-space: nowrap" in (site / "stylesheets" / "xtrain.css").read_text()
+    for page in site.rglob("*.html"):  # no placeholders to fill in before a command works
+        assert "&lt;org&gt;" not in page.read_text() and "&lt;repository URL&gt;" not in page.read_text(), page
 
 
 def test_the_readme_is_a_first_hour_document_whose_links_resolve():

@@ -201,7 +201,7 @@ def test_fsdp_on_cpu_is_a_test_seam_only(monkeypatch):
 BIG = ["model=tiny_llama", "model.hidden_size=1024", "model.num_layers=24", "model.num_heads=16",
        "model.intermediate_size=2816"]  # 303 M parameters: 1.21 GB in fp32
 ONE_STEP = ["cluster.num_processes=2", "trainer.batch_size=1", "trainer.max_steps=1", "trainer.warmup_steps=0",
-            "trainer.eval_every=1", "trainer.save_every=1", "data.block_size=64", "data.max_val_tokens=256"]
+            "trainer.eval_every=1", "trainer.save_every=1", "data.block_size=64", "data.max_val_tokens=128"]
 
 
 def test_a_config_built_model_never_exists_whole_on_a_rank(tmp_path):

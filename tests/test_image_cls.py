@@ -3,6 +3,7 @@ configs; augmentation drawn per (seed, epoch, image), so a resumed run ends bitw
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -30,11 +31,36 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resnet_run(folder, tmp_path_factory):
+def sevens(folder, tmp_path_factory):
+    """A test folder of the digits 3 and 7 only: its classes must map as the training folder's (3 -> 3, 7 -> 7)."""
+    root = tmp_path_factory.mktemp("test_images") / "digits"
+    for label in ("3", "7"):
+        shutil.copytree(folder / label, root / label)
+    return root
+
+
+@pytest.fixture(scope="module")
+def resnet_run(folder, sevens, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("image_cls") / "run"
     run_xtrain(f"run_dir={run_dir}", f"data.files=[{folder}]", *TRAIN, "trainer.max_steps=150",
-               "trainer.eval_every=50", "trainer.save_every=50")
+               "trainer.eval_every=50", "trainer.save_every=50", f"data.test=[{sevens}]")
     return run_dir
+
+
+def test_a_test_folder_is_evaluated_with_the_training_classes(resnet_run, sevens):
+    import subprocess
+    import sys
+
+    result = read_result(resnet_run)
+    assert result["model_test"]["step"] == 150 and result["test_accuracy"] >= 0.8
+    predictions = resnet_run / "test_predictions.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(resnet_run), "split=test",
+                           f"predictions={predictions}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert {row["target"] for row in rows} == {3, 7} and len(rows) == sum(1 for _ in sevens.rglob("*.png"))
+    assert sum(row["prediction"] == row["target"] for row in rows) / len(rows) == pytest.approx(result["test_accuracy"])
+    assert all(row["label"] == str(row["prediction"]) for row in rows)
 
 
 def test_a_resnet_from_a_transformers_config_learns_digits_from_an_image_folder(resnet_run, folder):

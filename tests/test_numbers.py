@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
-from conftest import REPO, assert_one_line_error, read_metrics, read_result, run_xtrain
+from conftest import assert_one_line_error, example_project, read_metrics, read_result, run_xtrain
 
 AUROC = "{_target_: torchmetrics.classification.BinaryAUROC, name: auroc}"
 
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from mydata import Table
+from tables import Table
 
 
 class Column(nn.Module):
@@ -114,10 +113,7 @@ def slow_accuracy(preds, targets):
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    where = tmp_path_factory.mktemp("project") / "tabular"
-    shutil.copytree(REPO / "examples" / "tabular", where, ignore=shutil.ignore_patterns("runs", "__pycache__"))
-    (where / "probes.py").write_text(PROBES)
-    return where
+    return example_project(tmp_path_factory, "tabular", {"probes.py": PROBES})
 
 
 def table(project, name: str, split: str = "val", targets: str = "ids"):
@@ -125,7 +121,7 @@ def table(project, name: str, split: str = "val", targets: str = "ids"):
 
     sys.path.insert(0, str(project))
     try:
-        from mydata import Table
+        from tables import Table
     finally:
         sys.path.remove(str(project))
     return Table(name, split, targets=targets)
@@ -151,7 +147,7 @@ def test_a_binary_classifier_gets_ids_and_scores_whatever_its_outputs(project, t
     from sklearn import metrics as sk
 
     run_dir = tmp_path / "run"
-    two = ["model.outputs=2", "task.loss=null", "data.train.targets=ids", "data.val.targets=ids"] if outputs == 2 else []
+    two = ["model.outputs=2", "task.loss._target_=null", "data.train.targets=ids", "data.val.targets=ids"] if outputs == 2 else []
     proc = run_xtrain("--config-dir", "conf", "experiment=cancer", f"run_dir={run_dir}", *two,
                       f"task.metrics=[accuracy,f1_macro,{AUROC}]", "trainer.monitor=val_auroc", "trainer.export=best",
                       cwd=project)
@@ -196,7 +192,8 @@ def test_multiclass_scores_a_confusion_matrix_and_a_dict_output(project, tmp_pat
 
     dict_run = tmp_path / "dict"
     run_xtrain("--config-dir", "conf", "experiment=wine", f"run_dir={dict_run}", "model._target_=probes.DictNet",
-               "~model.outputs", "~model.in_features", "trainer.max_steps=5", "task.metrics=[accuracy]", cwd=project)
+               "~model.outputs", "~model.in_features", "~model.hidden", "trainer.max_steps=5", "task.metrics=[accuracy]",
+               cwd=project)
     assert read_result(dict_run)["status"] == "completed" and 0 <= read_result(dict_run)["val_accuracy"] <= 1
 
 
@@ -222,14 +219,14 @@ def test_a_regression_keeps_the_best_model_by_a_metric_of_its_own(project, tmp_p
 
 @pytest.mark.parametrize("experiment,overrides,expected", [
     ("diabetes", ["task.metrics=[accuracy]", "trainer.monitor=val_loss"],
-     "task.metrics: accuracy measures classes, but the eval gives outputs of shape (110,) and targets of shape (110,) "
+     "task.metrics: accuracy measures classes, but the eval gives outputs of shape (88,) and targets of shape (88,) "
      "with targets other than class ids (a regression); use mse or mae"),
     ("wine", ["task.metrics=[mse]"],
-     "task.metrics: mse measures numbers, but the eval gives outputs of shape (44, 3) and targets of shape (44,): 3 "
+     "task.metrics: mse measures numbers, but the eval gives outputs of shape (36, 3) and targets of shape (36,): 3 "
      "outputs per class id (a classification); use accuracy, f1_macro, precision_macro, recall_macro"),
     ("wine", [f"task.metrics=[{AUROC}]"],
-     "task.metrics: torchmetrics.classification.BinaryAUROC failed on probs of shape (44, 3) (float32) and targets of "
-     "shape (44,) (int64): "),
+     "task.metrics: torchmetrics.classification.BinaryAUROC failed on probs of shape (36, 3) (float32) and targets of "
+     "shape (36,) (int64): "),
     ("diabetes", ["model._target_=probes.Column", "~model.outputs", "~model.hidden", "task.metrics=[mse]",
                   "trainer.monitor=val_loss", "trainer.export=last"],
      "task.loss: gave losses of shape (32, 32) for outputs of shape (32, 1) and targets of shape (32,): the two "
@@ -274,8 +271,8 @@ def test_a_metric_that_fails_at_the_first_eval_on_the_ranks_is_one_line_and_a_fa
     run_dir = tmp_path / "run"
     proc = run_xtrain("--config-dir", "conf", "experiment=cancer", f"run_dir={run_dir}", "cluster.num_processes=2",
                       "task.metrics=[{_target_: probes.ranks_only, name: picky}]", check=False, cwd=project)
-    assert_one_line_error(proc, "task.metrics: probes.ranks_only failed on preds of shape (142,) (int64) and targets "
-                                "of shape (142,) (int64): ValueError: no metric here")
+    assert_one_line_error(proc, "task.metrics: probes.ranks_only failed on preds of shape (114,) (int64) and targets "
+                                "of shape (114,) (int64): ValueError: no metric here")
     result = read_result(run_dir)
     assert result["status"] == "failed" and result["error"].startswith("task.metrics: probes.ranks_only failed")
 

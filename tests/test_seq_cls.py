@@ -48,10 +48,35 @@ def seq_cls(encoder, files, *extra) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(encoder, reviews, tmp_path_factory):
+def praise(tmp_path_factory):
+    """A test file of 40 positive reviews only: its one label must map as the training data's (pos = 1)."""
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("praise") / "test.jsonl"
+    path.write_text("".join(json.dumps({"text": review(rng, True), "label": "pos"}) + "\n" for _ in range(40)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(encoder, reviews, praise, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("seq_cls") / "run"
-    run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, "task.num_labels=2"))
+    run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, "task.num_labels=2", f"data.test=[{praise}]"))
     return run_dir
+
+
+def test_a_test_file_is_evaluated_on_the_kept_model_with_the_training_labels(trained):
+    """40 positive reviews: accuracy is the share predicted `pos` (id 1, as in training), and xtrain.eval agrees."""
+    import subprocess
+    import sys
+
+    import xtrain
+
+    result = read_result(trained)
+    assert result["model_test"]["step"] == result["model_step"] == 30 and result["test_accuracy"] >= 0.9
+    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(trained), "split=test"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((trained / "eval.json").read_text())["test"]["accuracy"] == result["test_accuracy"]
+    assert xtrain.load_model(trained).config.id2label == {0: "neg", 1: "pos"}
 
 
 def test_minilm_learns_named_labels_and_its_export_reloads_as_a_classifier(trained):
@@ -163,3 +188,11 @@ def test_bad_seq_cls_settings_are_one_line_and_write_nothing(encoder, reviews, t
     proc = run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, *settings), check=False)
     assert_one_line_error(proc, expected.format(files=reviews))
     assert not run_dir.exists()
+
+
+def test_labels_that_do_not_fit_are_refused_before_anything_is_prepared(encoder, reviews, tmp_path):
+    cache = tmp_path / "cache"
+    proc = run_xtrain(f"run_dir={tmp_path / 'run'}", *seq_cls(encoder, reviews, "task.num_labels=3"), check=False,
+                      env={"XTRAIN_CACHE_DIR": str(cache)})
+    assert_one_line_error(proc, "task.num_labels=3: the data has 2 label names (neg, pos); use task.num_labels=2")
+    assert not any(p.is_dir() for p in (cache / "prepared").glob("*")) and "data: preparing" not in proc.stderr

@@ -80,7 +80,7 @@ def test_the_picture_is_a_real_png_with_curves_and_a_heatmap(grid):
     assert image.shape[0] >= 400 and image.shape[1] >= 1200  # two panels side by side
 
 
-def test_status_prints_a_sweep_and_a_run(grid):
+def test_status_prints_a_sweep_and_a_run(grid, tmp_path):
     sweep_dir, _ = grid
     (sweep_dir / "sweep.csv").unlink()
     proc = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
@@ -90,7 +90,7 @@ def test_status_prints_a_sweep_and_a_run(grid):
     one = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir / "0_batch_size=4,grad_accum=1")],
                          capture_output=True, text=True, cwd=REPO, check=True)
     assert "completed, step 6 of 6" in one.stdout and "val_loss" in one.stdout
-    bad = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir / "checkpoints-nowhere")],
+    bad = subprocess.run([sys.executable, "-m", "xtrain.status", str(tmp_path)],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "neither a run dir" in bad.stderr
 

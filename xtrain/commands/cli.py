@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
-from xtrain.core.errors import ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
+from xtrain.core.errors import CallbackFailed, ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
 from xtrain.core.files import keep_private
 
 GROUP_SCHEMAS = {
@@ -70,9 +70,14 @@ def hydra_main(cfg: DictConfig):
     except Stopped as err:  # on request, at a step boundary, with a checkpoint: not an error
         print(f"xtrain: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except Diverged as err:
+    except (Diverged, CallbackFailed) as err:
         print(f"xtrain: error: {err}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as err:  # a second Ctrl-C (the first stops at a step boundary), or one before training
+        how = str(err) or "stopped at once by Ctrl-C"
+        print(f"xtrain: {how}; to continue from the newest checkpoint, run the same command with run_dir={output_dir} "
+              "resume=auto", file=sys.stderr)
+        sys.exit(130)
     finally:  # a dry run or a refused run leaves no empty run dir behind
         _remove_if_empty(Path(output_dir))
 
@@ -105,6 +110,9 @@ def main() -> None:
         print(help.text())
         return
     keep_private()
+    for arg in sys.argv[1:]:
+        if arg.startswith("run_dir=") and Path(arg.partition("=")[2]).expanduser().is_file():
+            fail(f"{arg}: a file, not a directory; give a directory for the run (new, or one to resume=auto)")
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -118,6 +126,9 @@ def main() -> None:
         for line in str(err).splitlines():
             print(f"xtrain: error: {line}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:  # before a run started (composing, preparing data)
+        print("xtrain: stopped by Ctrl-C before training started; nothing to continue", file=sys.stderr)
+        sys.exit(130)
 
 
 def _report_refusal(err: Exception) -> None:

@@ -19,6 +19,7 @@ GROUPS = ("task", "model", "data", "strategy", "precision", "cluster", "trainer"
 COMMANDS = {
     "python -m xtrain.prepare OVERRIDES": "prepare the run's data ahead of time (nothing trains)",
     "python -m xtrain.status DIR": "where a run or a sweep stands, from its files",
+    "python -m xtrain.eval RUN_DIR [split=test] [predictions=FILE]": "evaluate a trained run's model/ (eval.json)",
     "python -m xtrain.env": "versions, devices, and what this machine can run",
 }
 
@@ -138,14 +139,19 @@ def _type(kind) -> str:
     if args and len(args) < len(typing.get_args(kind)):  # Optional[X]
         return f"{_type(args[0])} or null"
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return " \\| ".join(str(m.value) for m in kind)
+        return " / ".join(str(m.value) for m in kind)
     return getattr(kind, "__name__", str(kind))
 
 
 def _value(value) -> str:
     value = getattr(value, "value", value)  # an Enum's
-    return "null" if value is None else str(value).replace("|", "\\|")
+    return "null" if value is None else str(value).replace("|", "/")
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|") or "—"
+    """A description as a table cell: `|` escaped, and outside code spans `_` and `*` too (else `_target_` would
+    render as an italic "target")."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = parts[i].replace("_", "\\_").replace("*", "\\*").replace("|", "\\|")
+    return "`".join(parts) or "—"

@@ -42,7 +42,7 @@ def sweep_status(sweep_dir: Path) -> str:
         for r in table:
             r["slurm"] = jobs.get(r["point"]) or ""
         columns.append("slurm")
-    lines = [table_text(table, columns)]
+    lines = [table_text(summary.ranked(table, objective, direction), columns)]
     for r in table:
         if r["error"]:
             lines.append(f"{r['point']}: {r['error']}")
@@ -54,8 +54,10 @@ def sweep_status(sweep_dir: Path) -> str:
                      f"asked ({told}); pruner {record['pruner']}")
     lines += worker_lines(sweep_dir)
     if top:
+        tied = summary.ties(table, top, objective)
         lines.append(f"best: {top['point']} ({objective} {summary.fmt(summary.scored(top, objective))} at step "
-                     f"{top.get('model_step') or top['steps']}, the model it kept)")
+                     f"{top.get('model_step') or top['steps']}, the model it kept)"
+                     + (f"; tied with {', '.join(tied)}" if tied else ""))
     lines.append(f"files: {sweep_dir / summary.MARKDOWN}, {sweep_dir / summary.CSV}, {sweep_dir / summary.PLOT}")
     return "\n".join(lines)
 
@@ -123,6 +125,9 @@ def main() -> None:
         print(sweep_status(path))
     elif (path / rundir.RUN_CONFIG).is_file():
         print(run_status(path))
+    elif not path.exists():
+        print(f"xtrain.status: error: {path}: no such directory", file=sys.stderr)
+        sys.exit(2)
     else:
         print(f"xtrain.status: error: {path}: neither a run dir (run.yaml) nor a sweep dir ({rundir.SWEEP_FILE})",
               file=sys.stderr)

@@ -18,7 +18,8 @@ from xtrain.config.strategy import (FsdpSharding, Offload, StateDictType, Strate
                                      StrategyConfig)
 from xtrain.config.task import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
                                  check_monitor, monitor_direction, target_data, target_model)
-from xtrain.core.errors import ConfigError, override_of, non_negative, positive, unknown_setting
+from xtrain.config.trainer import TrainerConfig  # noqa: F401 (re-exported)
+from xtrain.core.errors import ConfigError, override_of, positive, unknown_setting
 
 
 class ModelSource(Enum):
@@ -155,6 +156,10 @@ class DataConfig:
     false: one example per sequence, padded to the longest in the batch."""
     chat_template: Optional[str] = None
     """A Jinja chat template (or a file holding one) for a tokenizer that has none, or to replace its own."""
+    test: List[str] = field(default_factory=list)
+    """`task=seq_cls` and `image_cls`: test files (as `files`), every record a test example, its labels mapped as the
+    training data's; evaluated on the model `model/` keeps (`test_<name>` in result.json). (`task=custom`:
+    `data.test._target_=...`.)"""
 
     def __post_init__(self) -> None:
         if self.source is DataSource.sft and not (self.files or self.name):
@@ -181,77 +186,6 @@ class PrecisionConfig:
     """Mixed precision; each option of the `precision` group sets it."""
     fp8_backend: Fp8Backend = Fp8Backend.te
     """precision=fp8 only: `te` (Transformer Engine), `torchao` or `msamp`."""
-
-
-@dataclass
-class TrainerConfig:
-    batch_size: int = 16
-    """Per-device micro batch, in sequences."""
-    grad_accum: int = 1
-    """Micro batches per optimizer step."""
-    max_steps: int = 300
-    """Optimizer steps."""
-    lr: float = 2e-3
-    """Peak learning rate (AdamW), reached after warmup_steps, then cosine decay to min_lr_ratio x lr."""
-    warmup_steps: int = 30
-    """Optimizer steps of linear warmup from 0 to lr."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio."""
-    weight_decay: float = 0.1
-    """AdamW's decoupled weight decay (not on biases and norms)."""
-    max_grad_norm: float = 1.0
-    """0 disables clipping."""
-    eval_every: int = 100
-    """Evaluate every this many optimizer steps (and at step 0 and the end)."""
-    save_every: int = 100
-    """Write a checkpoint every this many optimizer steps (and at the end)."""
-    keep_checkpoints: int = 2
-    """Checkpoints kept in the run dir: the newest this many."""
-    log_every: int = 10
-    """Log a train row (metrics.jsonl, trackers, a log line) every this many optimizer steps."""
-    seed: int = 0
-    """Seeds the model's init, the data order and every rank's RNGs."""
-    fused_optimizer: bool = False
-    """AdamW as one fused kernel over all parameters (torch's `fused=True`): faster on GPUs, equal to the
-    default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
-    sample_prompts: List[str] = field(default_factory=list)
-    """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
-    has one): logged, written to metrics.jsonl (`sample/<i>`) and sent to the trackers."""
-    sample_max_tokens: int = 48
-    """New tokens per answer to `sample_prompts` (greedy)."""
-    compile: bool = False
-    """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
-    start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
-    monitor: str = "val_loss"
-    """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
-    `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
-    sweep's points."""
-    monitor_direction: Direction = Direction.auto
-    """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics, torchmetrics'
-    `higher_is_better` and a `task.metrics` entry's `direction` (a function metric without one needs `maximize` or
-    `minimize` here)."""
-    export: Export = Export.last
-    """What `model/` holds: the `last` model, or the `best` one by `monitor` (exported at each eval that improves
-    it; result.json's `model_step` says which, `model_eval` what it scored). Sweeps and studies rank a run by what
-    the model it kept scored."""
-    early_stop_patience: int = 0
-    """Stop when this many evals in a row have not improved `monitor` (by more than `early_stop_min_delta`): at that
-    step boundary, with its checkpoint and `model/`; the run is `completed` and `early_stop` records why. 0: never."""
-    early_stop_min_delta: float = 0.0
-    """How much `monitor` must improve on its best for an eval to count as an improvement."""
-
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",
-                     "sample_max_tokens"):
-            positive(f"trainer.{name}", getattr(self, name))
-        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
-            non_negative(f"trainer.{name}", getattr(self, name))
-        if self.keep_checkpoints < 1:
-            raise ConfigError(f"trainer.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (resume needs one)")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        non_negative("trainer.early_stop_patience", self.early_stop_patience)
-        non_negative("trainer.early_stop_min_delta", self.early_stop_min_delta)
 
 
 @dataclass
@@ -290,6 +224,9 @@ class RunConfig:
     """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
 
     def __post_init__(self) -> None:
+        if getattr(self.data, "test", None) and self.task.name is TaskKind.causal_lm:
+            raise ConfigError("data.test: a test split is for task=custom, seq_cls and image_cls; a language model's "
+                              "held-out data is its val split (data.val_fraction)")
         if self.resume_changes not in ("refuse", "apply"):
             raise ConfigError(f"resume_changes={self.resume_changes}: must be refuse or apply")
         if (self.task.name is TaskKind.causal_lm and self.data.source is DataSource.sft
@@ -299,6 +236,14 @@ class RunConfig:
                 "fine-tune; use model=hf model.name_or_path=<a pretrained (chat) model>"
             )
         offload = self.strategy.offload_optimizer
+        users = self.trainer.optimizer.get("_target_")
+        if users and offload is not Offload.none:
+            raise ConfigError(f"trainer.optimizer._target_={users}: with strategy.offload_optimizer={offload.value} "
+                              "DeepSpeed steps on the host with its own DeepSpeedCPUAdam; use "
+                              "strategy.offload_optimizer=none, or leave trainer.optimizer unset")
+        if users and self.trainer.fused_optimizer:
+            raise ConfigError(f"trainer.fused_optimizer=true: fuses xtrain's AdamW; trainer.optimizer._target_={users} "
+                              "is yours: give it its own fused setting (+trainer.optimizer.fused=true) instead")
         if self.trainer.fused_optimizer and offload is not Offload.none:
             raise ConfigError(
                 f"trainer.fused_optimizer=true: with strategy.offload_optimizer={offload.value} DeepSpeed steps on the "
@@ -337,7 +282,7 @@ def to_container(cfg: RunConfig) -> dict:
     if custom_model:
         out["model"] = cfg.model.node()
     if custom_data:
-        out["data"] = {"train": dict(cfg.data.train), "val": dict(cfg.data.val)}
+        out["data"] = {split: dict(getattr(cfg.data, split)) for split in ("train", "val", "test", "collate_fn")}
     return out
 
 

@@ -46,6 +46,25 @@ PROBLEM_TYPES = {Problem.single_label: "single_label_classification",  # transfo
                  Problem.multi_label: "multi_label_classification", Problem.regression: "regression"}
 
 
+def unset() -> dict:
+    """A `_target_` node nobody set: `{_target_: null}` (so that `key._target_=...` and `+key.NAME=...` can fill it)."""
+    return {TARGET: None}
+
+
+def given(node: Any) -> dict | None:
+    """A `{_target_: ..., **kwargs}` node the user set, else None."""
+    return dict(node) if isinstance(node, dict) and node.get(TARGET) else None
+
+
+def check_target_node(key: str, node: Any) -> None:
+    """Arguments with no `_target_` to take them are refused: they would do nothing."""
+    if isinstance(node, dict) and not node.get(TARGET) and set(node) - {TARGET}:
+        name = sorted(set(node) - {TARGET})[0]
+        raise ConfigError(f"{key}.{name}: an argument, but {key}._target_ is not set; give the callable too, e.g. "
+                          f"{key}._target_=mymodule.build")
+
+
+
 @dataclass
 class TaskConfig:
     name: TaskKind = TaskKind.causal_lm
@@ -57,9 +76,9 @@ class TaskConfig:
     class ids or a regression's outputs; `probs`: scores; `logits`: the outputs as they are; torchmetrics'
     classification metrics get `probs` unasked) and `direction` (`maximize` or `minimize`; torchmetrics' own
     `higher_is_better` unasked)."""
-    loss: Optional[Dict[str, Any]] = None
-    """`task=custom`: `{_target_: ...}`, a loss module or function of (outputs, targets), per example (a torch
-    loss gets reduction='none'); default: cross-entropy."""
+    loss: Dict[str, Any] = field(default_factory=unset)
+    """`task=custom`: `task.loss._target_=...` (its arguments: `+task.loss.NAME=VALUE`), a loss module or function
+    of (outputs, targets), per example or per position (torch's get reduction='none'); unset: cross-entropy."""
     code_dir: Optional[str] = None
     """`task=custom`: where the `_target_`s' modules are imported from on every rank and node (default: the
     directory the command runs from)."""
@@ -83,6 +102,10 @@ class TaskConfig:
     of the image padded by an eighth); each draw depends on trainer.seed, the epoch and the image alone."""
 
     def __post_init__(self) -> None:
+        check_target_node("task.loss", self.loss)
+        if given(self.loss) and self.name is not TaskKind.custom:
+            raise ConfigError(f"task.loss._target_={self.loss[TARGET]}: a loss of your own is for task=custom; "
+                              f"task={self.name.value} trains with its own")
         if self.name is TaskKind.image_cls:
             bad = sorted(set(self.augment) - {"hflip", "crop"})
             if bad:
@@ -124,10 +147,13 @@ class TargetModel:
 @dataclass
 class TargetData:
     """`data.train._target_=...` and `data.val._target_=...` plus their keyword arguments: map-style datasets whose
-    items are dicts of tensors or (inputs, target) tuples."""
+    items are dicts of tensors or (inputs, target) tuples; `data.test._target_=...` a test split, evaluated once at
+    the end on the model `model/` keeps; `data.collate_fn._target_=...` what makes a batch of items."""
 
     train: Dict[str, Any]
     val: Dict[str, Any]
+    test: Dict[str, Any] = field(default_factory=unset)
+    collate_fn: Dict[str, Any] = field(default_factory=unset)
 
 
 def metric_name(spec: Any) -> str:
@@ -177,11 +203,14 @@ def target_data(node: Any) -> TargetData | None:
     if isinstance(node, dict) and any(isinstance(node.get(split), dict) for split in ("train", "val")):
         for split in ("train", "val"):
             _target_of(f"data.{split}", node.get(split) or {})
-        unknown = sorted(set(node) - {"train", "val"})
+        for name in ("test", "collate_fn"):
+            check_target_node(f"data.{name}", node.get(name))
+        unknown = sorted(set(node) - {"train", "val", "test", "collate_fn"})
         if unknown:
             raise ConfigError(f"data.{unknown[0]}: a setting of the built-in data; with data.train/data.val "
                               "datasets by _target_, give it to them (+data.train.<name>=...)")
-        return TargetData(dict(node["train"]), dict(node["val"]))
+        return TargetData(dict(node["train"]), dict(node["val"]), dict(node.get("test") or unset()),
+                          dict(node.get("collate_fn") or unset()))
     return None
 
 

@@ -4,6 +4,7 @@
 | --- | --- | --- |
 | `ConfigError` | a bad setting, file, model or request; nothing started | 2 |
 | `Diverged` | the loss became NaN or infinite | 1 |
+| `CallbackFailed` | a callback's hook raised | 1 |
 | `LaunchFailed` | workers failed (the message is the failing rank's own error) | its `exit_code` |
 | `Stopped` | stopped on request at a step boundary, with a checkpoint: resumable, not an error | 128 + signal |
 | `Terminated` | a worker ended by SIGTERM (another rank failed, or the run was stopped) | - |
@@ -23,6 +24,10 @@ class ConfigError(ValueError):
 
 class Diverged(RuntimeError):
     """The loss became NaN or infinite: printed as one line (no traceback helps), exit code 1."""
+
+
+class CallbackFailed(RuntimeError):
+    """A `trainer.callbacks` hook raised: printed as one line (the callback, the hook, its error), exit code 1."""
 
 
 class LaunchFailed(Exception):
@@ -104,8 +109,14 @@ def closest(name: str, settings: list[str]) -> str | None:
     return leaves[close[0]] if close else None
 
 
+BY_TARGET = ("model._target_", "data.train._target_", "data.val._target_", "data.test._target_")
+
+
 def unknown_setting(name: str, value: str | None, settings: list[str]) -> str:
     """The one line for a setting that does not exist, with the one that most likely was meant."""
+    if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
+        return (f"{name}{'' if value is None else '=' + value}: a model and datasets by _target_ are trained by "
+                "task=custom; add task=custom")
     close = closest(name, settings)
     hint = f"did you mean {close}?" if close else "python -m xtrain --cfg job lists every setting"
     return f"{name}{'' if value is None else '=' + value}: no such setting; {hint}"
@@ -128,7 +139,14 @@ def explain(err: Exception, settings: list[str]) -> str:
     cause = err.__cause__ or err
     key = getattr(cause, "full_key", None)
     if not key:
-        return " ".join(str(err).split())
+        text = " ".join(str(err).split())
+        function = re.search(r"Unknown function '(\w+)' Available: ([\w,]+)", text)
+        override = re.search(r"Error parsing override '([^']+)'", text)
+        if function and override:  # a sweep's grammar: the function meant, in one line
+            close = closest(function.group(1), function.group(2).split(","))
+            hint = f"did you mean {close}?" if close else f"use one of {function.group(2).replace(',', ', ')}"
+            return f"{override.group(1)}: no function {function.group(1)} in Hydra's sweep grammar; {hint}"
+        return text
     name, value = override_of(key)
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_setting(name, value, settings)

@@ -4,7 +4,7 @@ The loop agrees on the flag across ranks (in the step's one all-reduce), every r
 checkpoint, and the run ends `interrupted`, resumable with `resume=auto` (under SLURM the job
 requeues itself). Which signals ask for this depends on the process:
 
-- the process that trains in-process (one process), and the driver of N workers: SIGTERM,
+- the process that trains in-process (one process), and the driver of N workers: SIGINT (Ctrl-C), SIGTERM,
   SIGUSR1, SIGUSR2 (a spot instance's notice, SLURM's `--signal` warning, a workload manager);
 - a worker under torchrun: SIGUSR1, SIGUSR2 only; torchrun ends workers with SIGTERM when another
   rank failed, and that must stop at once (`errors.Terminated`).
@@ -16,12 +16,14 @@ A second request while the first is pending stops at once (KeyboardInterrupt), a
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 import time
 
-GRACEFUL = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+GRACEFUL = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 IN_WORKERS = (signal.SIGUSR1, signal.SIGUSR2)
+DRIVER_ENV = "XTRAIN_DRIVER_PID"  # set for the workers of a local run: the process they never outlive
 
 _request: dict = {}  # {"signal": "SIGUSR2", "at": epoch seconds} once asked
 _escalate = [True]
@@ -38,6 +40,9 @@ def request(signum: int) -> None:
             return
         raise KeyboardInterrupt(f"stopped at once by a second {signal.Signals(signum).name}")
     _request.update({"signal": signal.Signals(signum).name, "at": time.time()})
+    if _escalate[0]:  # (a worker's driver says it)
+        logging.getLogger("xtrain").info("%s: stopping at the next step boundary, with a checkpoint (again: at once)",
+                                         signal.Signals(signum).name)
 
 
 def clear() -> None:
@@ -82,3 +87,37 @@ def ignore_in_child() -> None:
     and its workers start ignoring them until they install their own handlers."""
     for s in IN_WORKERS:
         signal.signal(s, signal.SIG_IGN)
+
+
+def end_with_parent(signum: int = signal.SIGTERM) -> None:
+    """This process gets `signum` when its parent dies (Linux's parent-death signal), however the parent died (a
+    SIGKILL, the OOM killer): torchrun when its driver does, a worker when its torchrun does. Elsewhere a no-op."""
+    import ctypes
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signum)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os.kill(os.getpid(), signum)
+
+
+def driver_gone() -> bool:
+    """A local run's driver has ended (killed outright): its workers are being ended with it, and a rank whose
+    collective failed because another rank ended first was stopped, not failed."""
+    import os
+
+    import psutil
+
+    pid = int(os.environ.get(DRIVER_ENV, "0"))
+    if not pid:
+        return False
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -32,16 +32,17 @@ class PadToLongest:
 
 
 class CastFloat64:
-    """torch's default collate, with float64 tensors (numpy's default, Python floats) cast to float32, the dtype
-    xtrain trains weights in; said once in the log (`quiet`: not said)."""
+    """A collate (torch's default, or `collate`), with float64 tensors (numpy's default, Python floats) cast to
+    float32, the dtype xtrain trains weights in; said once in the log (`quiet`: not said)."""
 
-    def __init__(self, quiet: bool = False):
+    def __init__(self, collate=None, quiet: bool = False):
+        self.collate = collate
         self.said = quiet
 
     def __call__(self, items: list):
         from torch.utils.data import default_collate
 
-        batch = default_collate(items)
+        batch = (self.collate or default_collate)(items)
         cast = _cast(batch)
         if cast is not batch and not self.said:
             self.said = True

@@ -80,13 +80,16 @@ def fingerprint(paths: list[str]) -> str:
     return sha("images", *stats)
 
 
-def prepare(data: DataConfig, task: TaskConfig) -> PreparedImages:
+def prepare(data: DataConfig, task: TaskConfig, names: list[str] | None = None, test: bool = False) -> PreparedImages:
+    """The images prepared (or found prepared); `test`: every image held out (its `val` split), its class names
+    mapped as the training data's (`names`)."""
     paths = sources(data)
-    key = sha(fingerprint(paths), str(task.image_size), str(task.num_channels), task.label_column, str(data.val_fraction), VERSION)
+    key = sha(fingerprint(paths), str(task.image_size), str(task.num_channels), task.label_column, str(data.val_fraction),
+              VERSION, *(["test", *(names or [])] if test else []))
     final = Path(cache_dir(data), "prepared", key)
-    fresh = build_once(final, lambda path: write_entry(path, paths, data, task), "the images")
+    fresh = build_once(final, lambda path: write_entry(path, paths, data, task, names, test), "the images")
     prepared = PreparedImages(final, json.loads((final / META).read_text()), fresh)
-    if task.num_labels != prepared.meta["num_labels"]:
+    if task.num_labels != prepared.meta["num_labels"] and not test:
         raise ConfigError(f"task.num_labels={task.num_labels}: the images have {prepared.meta['num_labels']} classes; "
                           f"use task.num_labels={prepared.meta['num_labels']}")
     return prepared
@@ -161,7 +164,8 @@ def records(paths: list[str], task: TaskConfig) -> Iterator[tuple[np.ndarray, ob
             yield from parquet_rows(path, task, task.image_size)
 
 
-def write_entry(path: Path, paths: list[str], data: DataConfig, task: TaskConfig) -> None:
+def write_entry(path: Path, paths: list[str], data: DataConfig, task: TaskConfig, names_given: list[str] | None = None,
+                test: bool = False) -> None:
     log.info("data: preparing %d image source(s) on %s into %s", len(paths), node_name(), path.parent)
     pixels, labels = [], []
     for image, label in records(paths, task):
@@ -170,14 +174,18 @@ def write_entry(path: Path, paths: list[str], data: DataConfig, task: TaskConfig
                               f"{image.shape[1:]}) or channels; set task.image_size=<pixels> to resize them all")
         pixels.append(image)
         labels.append(label)
-    if len(pixels) < 2:
+    if len(pixels) < (1 if test else 2):
         raise ConfigError(f"data.files: {len(pixels)} image(s) found; classification needs at least 2 (train and val)")
-    names = sorted(set(map(str, labels))) if any(isinstance(label, str) for label in labels) else None
+    found = sorted(set(map(str, labels))) if any(isinstance(label, str) for label in labels) else None
+    names = names_given or found
+    if found and set(found) - set(names):
+        raise ConfigError(f"data.test: a class {sorted(set(found) - set(names))[0]!r} the training data does not have "
+                          f"(it has {', '.join(names[:10])})")
     ids = [names.index(str(label)) for label in labels] if names else [int(label) for label in labels]
     if min(ids) < 0:
         raise ConfigError(f"data.files: a label id is {min(ids)}; ids are 0..num_labels-1")
     n = len(ids)
-    held = held_out(n, data.val_fraction)
+    held = np.arange(n) if test else held_out(n, data.val_fraction)
     np.save(path / PIXELS, np.stack(pixels))
     np.save(path / LABELS, np.asarray(ids, dtype=np.int64))
     np.save(path / VAL, held)

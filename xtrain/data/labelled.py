@@ -88,14 +88,40 @@ class Source:
             yield from ((path, batch) for batch in raw_batches([path]))
 
 
-def prepare(data: DataConfig, model: ModelConfig, task: TaskConfig) -> PreparedRecords:
+def entry(data: DataConfig, model: ModelConfig, task: TaskConfig, names: list[str] | None = None,
+          test: bool = False) -> tuple[Source, object, Path]:
+    """(the records, the tokenizer, where their prepared entry is) for these settings."""
     source = Source(data)
     tokenizer = tokenizer_of(model)
     key = sha(source.fingerprint, sha(tokenizer.backend_tokenizer.to_str()) if tokenizer.is_fast else model.name_or_path,
               data.text_column, str(task.text_pair_column), task.label_column, task.problem.value, str(data.block_size),
-              str(data.val_fraction), VERSION)
-    final = Path(cache_dir(data), "prepared", key)
-    fresh = build_once(final, lambda path: write_entry(path, source, tokenizer, data, task), "the labelled records")
+              str(data.val_fraction), VERSION, *(["test", *(names or [])] if test else []))
+    return source, tokenizer, Path(cache_dir(data), "prepared", key)
+
+
+def check_unprepared(data: DataConfig, model: ModelConfig, task: TaskConfig) -> None:
+    """Before anything is prepared (on the driver): where the records are not prepared yet, their labels alone are
+    read, so that a `task.num_labels` they do not fit is refused before any tokenizing or caching."""
+    source, _, final = entry(data, model, task)
+    if final.exists() or task.problem is Problem.regression:
+        return
+    names, numbers = set(), []
+    for where, batch in source.batches():
+        columns_of(where, batch, data, task)
+        for value in batch[task.label_column]:
+            for one in label_values(value, task, where):
+                (names.add(one) if isinstance(one, str) else numbers.append(one))
+    check_labels({"label_names": sorted(names) if names and not numbers else None,
+                  "label_range": [int(min(numbers)), int(max(numbers))] if numbers and not names else None}, task)
+
+
+def prepare(data: DataConfig, model: ModelConfig, task: TaskConfig, names: list[str] | None = None,
+            test: bool = False) -> PreparedRecords:
+    """The records prepared (or found prepared); `test`: every record held out (its `val` split), its label names
+    mapped as the training data's (`names`)."""
+    source, tokenizer, final = entry(data, model, task, names, test)
+    fresh = build_once(final, lambda path: write_entry(path, source, tokenizer, data, task, names, test),
+                       "the labelled records")
     prepared = PreparedRecords(final, json.loads((final / META).read_text()), tokenizer, fresh)
     check_labels(prepared.meta, task)
     return prepared
@@ -108,7 +134,8 @@ def columns_of(where: str, batch: dict, data: DataConfig, task: TaskConfig) -> N
             raise ConfigError(f"{setting}={column}: not a column of {where}; it has {', '.join(batch)}")
 
 
-def write_entry(path: Path, source: Source, tokenizer, data: DataConfig, task: TaskConfig) -> None:
+def write_entry(path: Path, source: Source, tokenizer, data: DataConfig, task: TaskConfig,
+                names_given: list[str] | None = None, test: bool = False) -> None:
     log.info("data: preparing %s on %s into %s", source.name, node_name(), path.parent)
     ids, starts, types, labels, label_starts = [], [0], [], [], [0]
     names: set[str] = set()
@@ -138,14 +165,18 @@ def write_entry(path: Path, source: Source, tokenizer, data: DataConfig, task: T
             label_starts.append(len(labels))
         seen += len(texts)
     if kinds == {str}:
-        order = sorted(names)
+        order = names_given or sorted(names)
+        unknown = sorted(names - set(order))
+        if unknown:
+            raise ConfigError(f"data.test: a label {unknown[0]!r} the training data does not have (it has "
+                              f"{', '.join(order[:10])})")
         labels = [order.index(name) for name in labels]
     elif str in kinds:
         raise ConfigError(f"task.label_column={task.label_column}: mixes names and numbers; give one kind")
     n = len(starts) - 1
-    if n < 2:
+    if n < (1 if test else 2):
         raise ConfigError(f"data: {source.name} holds {n} record(s); classification needs at least 2 (train and val)")
-    held = held_out(n, data.val_fraction)
+    held = np.arange(n) if test else held_out(n, data.val_fraction)
     np.save(path / IDS, np.asarray(ids, dtype=np.int32))
     np.save(path / STARTS, np.asarray(starts, dtype=np.int64))
     if pair:
@@ -156,7 +187,7 @@ def write_entry(path: Path, source: Source, tokenizer, data: DataConfig, task: T
     np.save(path / VAL, held)
     numbers = [] if float_labels or kinds == {str} else labels
     meta = {"records": n, "train": n - len(held), "val": len(held), "tokens": len(ids), "truncated": truncated,
-            "pair": pair, "problem": task.problem.value, "label_names": sorted(names) if kinds == {str} else None,
+            "pair": pair, "problem": task.problem.value, "label_names": order if kinds == {str} else None,
             "label_range": [int(min(numbers)), int(max(numbers))] if numbers else None, "prepared_on": node_name()}
     (path / META).write_text(json.dumps(meta, indent=2) + "\n")
     cut = f"; {truncated} cut to {data.block_size} tokens" if truncated else ""

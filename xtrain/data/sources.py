@@ -207,6 +207,9 @@ def unreadable(group: list[str], builder: str, err: BaseException) -> ConfigErro
             bad = bad_json_line(path)
             if bad:
                 return ConfigError(f"data.files: {path} line {bad[0]}: not valid JSON ({bad[1]}); fix or remove it")
+    empty = [path for path in group if os.path.getsize(path) == 0]
+    if empty:
+        return ConfigError(f"data.files: {empty[0]} is empty (no records); remove it or fill it")
     where = group[0] if len(group) == 1 else f"one of {group[0]} ... {group[-1]}"
     return ConfigError(f"data.files: {where} cannot be read as {builder} ({first_line(err)[:200]}); fix or remove it")
 

@@ -106,6 +106,8 @@ def deepspeed_config(cfg: RunConfig, facts: ModelFacts, user: dict | None = None
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if t.optimizer.get("_target_"):  # the user's own optimizer, which ZeRO partitions as it does torch's AdamW
+        ours["zero_allow_untested_optimizer"] = True
     return merge_user_config(ours, user or {}, cfg.strategy.deepspeed_config)
 
 

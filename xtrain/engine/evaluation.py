@@ -29,15 +29,17 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, task: Task, model, loader) -> dict:
-    """The task's eval loss per trained token (per example), and its metrics, over the whole validation split:
-    every rank's part, gathered without the samples a distributed sampler pads in. A metric's value is a float, or
-    a nested list (an array)."""
+def evaluate(accelerator: Accelerator, task: Task, model, loader, keep_outputs: bool = False):
+    """The task's eval loss per trained token (per example), and its metrics, over the whole split: every rank's
+    part, gathered without the samples a distributed sampler pads in. A metric's value is a float, or a nested list
+    (an array). Returns (the values, the gathered outputs where there are metrics or `keep_outputs` asks, else
+    None)."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
     outputs, targets = [], []
+    with_outputs = bool(task.metrics) or (keep_outputs and hasattr(task, "eval_outputs"))
     for batch in loader:
-        if task.metrics:
+        if with_outputs:
             sums, counts, out, target = accelerator.gather_for_metrics(task.eval_outputs(model, batch))
             outputs.append(out.cpu())
             targets.append(target.cpu())
@@ -48,10 +50,10 @@ def evaluate(accelerator: Accelerator, task: Task, model, loader) -> dict:
     values = {"loss": (total / count).item()}
     if task.perplexity:
         values["ppl"] = perplexity(values["loss"])
+    gathered = metrics.Outputs(torch.cat(outputs), torch.cat(targets), task.problem) if with_outputs else None
     if task.metrics:
-        gathered = metrics.Outputs(torch.cat(outputs), torch.cat(targets), task.problem)
         values.update(metrics.compute_all(task.metrics, gathered))
-    return values
+    return values, gathered
 
 
 def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dict, run_dir: Path) -> float:
@@ -61,7 +63,7 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dic
     from xtrain.engine import reporting
 
     start = time.perf_counter()
-    values = evaluate(accelerator, c.task, c.model, c.val_loader)
+    values, _ = evaluate(accelerator, c.task, c.model, c.val_loader)
     scalars = {name: value for name, value in values.items() if metrics.is_scalar(value)}
     accelerator.log({f"val/{name}": value for name, value in scalars.items()}, step=step)
     directions = c.task.directions()
@@ -78,6 +80,26 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dic
         log_samples(accelerator, cfg.trainer, c, step)
     result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
     return values["loss"]
+
+
+def run_test(accelerator: Accelerator, c, step: int, run_dir: Path) -> dict:
+    """The test split on the model as it is at `step` (the one `model/` is about to hold): its values as
+    `test_<name>`, and `step`; its arrays saved as `evals/test_<name>/`."""
+    values, _ = evaluate(accelerator, c.task, c.model, c.test_loader)
+    arrays = {f"test_{name}": value for name, value in values.items() if not metrics.is_scalar(value)}
+    if arrays and accelerator.is_main_process:
+        save_arrays(run_dir, step, arrays)
+    return {"step": step, **{f"test_{name}": value for name, value in values.items() if metrics.is_scalar(value)}}
+
+
+def report_test(accelerator: Accelerator, result: dict, step: int) -> None:
+    """At the end: the kept model's test values in result.json (`test_<name>`), metrics.jsonl and the trackers
+    (`test/<name>`, at the last step), and a log line."""
+    tested = {key: value for key, value in result["model_test"].items() if key != "step"}
+    result.update(tested)
+    accelerator.log({f"test/{key[len('test_'):]}": value for key, value in tested.items()}, step=step)
+    text = " | ".join(f"{key.replace('_', ' ', 1)} {value:.4f}" for key, value in tested.items())
+    log.info("step %d | %s (the model of step %d)", step, text, result["model_test"]["step"])
 
 
 def save_arrays(run_dir: Path, step: int, arrays: dict) -> dict[str, list[str]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -32,11 +31,11 @@ from xtrain.core.errors import ConfigError
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
 from xtrain.distributed import compiling, meta_init, plugins
-from xtrain.distributed.estimate import model_state_memory
 from xtrain.engine import checkpoint, evaluation, pruning, reporting, resume, sampler, tracking
-from xtrain.engine.accelerator import build_accelerator, check_setup, fsdp_units, library_notes_quieted
+from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
+from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
 from xtrain.engine.monitor import EARLY_STOP, Monitor
-from xtrain.engine.optim import build_optimizer, lr_factor, set_hyperparameters
+from xtrain.engine.optim import build_optimizer, build_scheduler, set_hyperparameters
 from xtrain.engine.update import agree_on_step, optimizer_step
 from xtrain.tasks.base import Task
 from xtrain.tasks.facts import model_facts, stored_numel
@@ -66,7 +65,9 @@ class Components:
     n_train: int
     n_val: int
     unit: str  # what one example is, for the log line: "blocks of 128 tokens"
+    test_loader: DataLoader | None = None  # where the run has a test split
     pruning: pruning.Pruning | None = None  # where the run is a study's trial
+    callbacks: Callbacks | None = None  # trainer.callbacks
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Progress:
     best: dict = field(default_factory=dict)  # best_val_<metric> so far (travels in checkpoints)
     monitor: Monitor | None = None  # trainer.monitor's best so far (travels in checkpoints)
     early_stop: bool = False  # trainer.early_stop_patience evals without improvement
+    callback_stop: str | None = None  # a callback asked to stop (its reason)
 
 
 def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
@@ -94,7 +96,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
         compiling.compile_blocks(model)
     model.train()
     optimizer = build_optimizer(model, cfg)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg.trainer))
+    scheduler = build_scheduler(optimizer, cfg.trainer)
     # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
     # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
     train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True,
@@ -110,13 +112,17 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
     for p in model.parameters():
         counts[p.requires_grad] += stored_numel(p)
     n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
+    test_loader = None if built.test_set is None else DataLoader(built.test_set, batch_size=t.batch_size,
+                                                                  collate_fn=built.collate)
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
+    test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
     sampler.lean(train_loader)  # the same order, without a Python list of every epoch
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
+        test_loader=test_loader,
     )
 
 
@@ -137,7 +143,7 @@ def restore(accelerator: Accelerator, resume_from: Path | None, run_dir: Path, c
                             window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
                             best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, direction, state.get("monitor")))
         found = resume.changes(state["config"], schema.to_container(cfg)) if "config" in state else []
-        if any(change.key in resume.APPLICABLE for change in found):
+        if any(change.trains for change in found):  # (preflight refused what cannot apply)
             set_hyperparameters(c.optimizer, c.scheduler, cfg)
             log.info("resumed with new settings: %s", ", ".join(str(change) for change in found if change.trains))
         changed = resume.record(found)
@@ -155,41 +161,6 @@ def resume_setting(resume: str, run_dir: Path) -> str:
     """`resume` as run.yaml has it, except in a requeued SLURM job: that continues its own newest checkpoint."""
     restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
     return "auto" if restarted and checkpoint.newest(run_dir) is not None else resume
-
-
-def first_result(cfg: RunConfig, accelerator: Accelerator, c: Components, resume_from: Path | None,
-                 start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
-    """result.json as the loop starts (status `running`), and the run's header line."""
-    t, world = cfg.trainer, accelerator.num_processes
-    trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
-    log.info(
-        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d %s",
-        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world, accelerator.distributed_type.value,
-        t.batch_size * t.grad_accum * world, c.task.batch_unit,
-    )
-    if resume_from is not None:
-        log.info("resumed from %s at step %d", resume_from, start_step)
-    result = {
-        "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
-        "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
-        "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
-        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized).total,
-        "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
-    }
-    # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
-    own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores())
-    every = [own] * world
-    if world > 1:
-        torch.distributed.all_gather_object(every, own)
-    result["hosts"], result["cpu_threads"], result["cpu_cores"] = (list(column) for column in zip(*every))
-    if accelerator.distributed_type is DistributedType.FSDP:
-        result["fsdp_units"] = fsdp_units(c.model)
-    if cfg.trainer.compile:
-        result["compiled_regions"] = compiling.compiled_regions(c.model)
-    if world > 1:
-        result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        result["backend"] = torch.distributed.get_backend()  # nccl on GPUs, gloo on CPUs
-    return result
 
 
 def train(run_dir: str | Path) -> dict:
@@ -223,14 +194,14 @@ def _train(run_dir: Path) -> dict:
     start_step = progress.step
     trackers = tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start_step, last_logged)
     accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg), init_kwargs=trackers)
-    result = first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta, facts)
+    result = reporting.first_result(cfg, accelerator, c, resume_from, start_step, n_params_meta, facts)
     result["peak_rss_model_ready_bytes"] = model_ready
     result.update(progress.best, monitor=progress.monitor.state())
     if t.export is Export.best and progress.monitor.best_step is not None:  # model/ holds that eval's model
         kept = rundir.read_result(run_dir) if accelerator.is_main_process else {}
         result["model_step"] = progress.monitor.best_step
-        if kept.get("model_step") == progress.monitor.best_step and "model_eval" in kept:
-            result["model_eval"] = kept["model_eval"]
+        if kept.get("model_step") == progress.monitor.best_step:
+            result.update({key: kept[key] for key in ("model_eval", "model_test") if key in kept})
     if accelerator.is_main_process:
         if resume_from is not None and resume_from.parent == rundir.checkpoints_dir(run_dir):
             result.update(rundir.continued(run_dir, start_step, last_logged, changed))
@@ -239,9 +210,12 @@ def _train(run_dir: Path) -> dict:
         rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
 
     train_start, seen_at_start = time.time(), progress.seen
+    c.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
+    c.callbacks.call("on_train_start", start_step, result)
     if start_step == 0:  # (the first eval also checks, on every task, that each metric can take its inputs)
         result["initial_val_loss"] = evaluation.run_eval(accelerator, cfg, c, 0, result, run_dir)
         judge(accelerator, cfg.trainer, c, progress, result, run_dir)
+        c.callbacks.call("on_validation_end", 0, result, val_values(result))
     batches = _recording_first_batch(
         sampler.micro_batches(accelerator, c.train_loader, start_step * t.grad_accum), accelerator, result
     )
@@ -253,10 +227,16 @@ def _train(run_dir: Path) -> dict:
         with logging_redirect_tqdm():
             stop = run_steps(accelerator, cfg, c, batches, progress, result, run_dir, bar, process_start)
         wall = time.time() - train_start
-        if (stop is None or stop["signal"] == EARLY_STOP) and t.export is Export.last:
+        ended = stop is None or stop["signal"] in (EARLY_STOP, CALLBACK_STOP)
+        if ended and t.export is Export.last:
             save_model(accelerator, c, run_dir, progress.step, result)
+        if ended and "model_test" in result:  # the test split's values, of the model kept
+            evaluation.report_test(accelerator, result, progress.step)
+        if ended:
+            c.callbacks.call("on_train_end", progress.step, result)
     except BaseException as err:
-        result["status"] = Status.interrupted if isinstance(err, KeyboardInterrupt) else Status.failed
+        stopped = isinstance(err, KeyboardInterrupt) or accelerator.num_processes > 1 and stopping.driver_gone()
+        result["status"] = Status.interrupted if stopped else Status.failed
         result["error"] = f"{type(err).__name__}: {err}"
         if accelerator.is_main_process:
             rundir.update_result(run_dir, result)
@@ -276,14 +256,16 @@ def finish(trainer: TrainerConfig, accelerator: Accelerator, result: dict, stop:
            per_s: float, c_unit: str, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     pruned = stop is not None and stop["signal"] == pruning.PRUNER
-    early = stop is not None and stop["signal"] == EARLY_STOP
+    early = stop is not None and stop["signal"] in (EARLY_STOP, CALLBACK_STOP)
     result.update(
         status=Status.completed if stop is None or early else Status.pruned if pruned else Status.interrupted,
         **{f"{c_unit}_per_s": per_s},
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
-    if early:
+    if early and stop["signal"] == CALLBACK_STOP:
+        result["callback_stop"] = {"step": stop["step"], "reason": stop["reason"]}
+    elif early:
         result["early_stop"] = {"step": stop["step"], "patience": trainer.early_stop_patience,
                                 "best_step": result["monitor"]["best_step"]}
     elif pruned:
@@ -317,29 +299,25 @@ def run_steps(accelerator: Accelerator, cfg: RunConfig, c: Components, batches, 
         p.seen += per_step
         bar.update(1)
         if "time_to_first_step_s" not in result:
-            note_first_step(result, process_start)
+            reporting.note_first_step(result, process_start)
         saved = periodic(accelerator, cfg, c, p, result, run_dir, bar)
         result["steps"], result["skipped_steps"] = step, p.skipped
-        if (stop or p.pruned or p.early_stop) and step < t.max_steps:
+        c.callbacks.call("on_train_batch_end", step, result, loss)
+        p.callback_stop = c.callbacks.stop_asked()
+        if (stop or p.pruned or p.early_stop or p.callback_stop) and step < t.max_steps:
             if not saved:
-                save_checkpoint(accelerator, cfg, run_dir, p)
+                save_checkpoint(accelerator, cfg, run_dir, p, c)
             request = stopping.requested() or {"signal": "a stop request on another rank", "at": time.time()}
             if p.pruned and not stop:
                 request = {"signal": pruning.PRUNER, "at": time.time()}
             elif p.early_stop and not stop:
                 request = {"signal": EARLY_STOP, "at": time.time()}
-            log.info("step %d | stopped by %s: checkpoint saved", step, request["signal"])
+            elif p.callback_stop and not stop:
+                request = {"signal": CALLBACK_STOP, "reason": p.callback_stop, "at": time.time()}
+            why = f" ({request['reason']})" if request.get("reason") else ""
+            log.info("step %d | stopped by %s%s: checkpoint saved", step, request["signal"], why)
             return {**request, "step": step}
     return None
-
-
-def note_first_step(result: dict, process_start: float) -> None:
-    now = time.time()
-    result["time_to_first_step_s"] = round(now - process_start, 3)
-    result["first_step_at"] = now
-    restart = (result.get("restarts") or [{}])[-1]
-    if restart.get("stopped_at") and "down_s" not in restart:  # from the stop to this step, across the restart
-        restart["down_s"] = round(now - restart["stopped_at"], 3)
 
 
 def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progress, result: dict, run_dir: Path,
@@ -348,7 +326,7 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     t, step = cfg.trainer, p.step
     last = step == t.max_steps
     if step % t.log_every == 0 or last:
-        result["train_loss"] = reporting.log_train(accelerator, p.window, step, p.seen, p.skipped,
+        result["train_loss"] = reporting.log_train(accelerator, p.window, step, t.max_steps, p.seen, p.skipped,
                                                    c.task.throughput_unit)
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = reporting.Window()
@@ -356,8 +334,9 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
         evaluation.run_eval(accelerator, cfg, c, step, result, run_dir)
         judge(accelerator, cfg.trainer, c, p, result, run_dir, last)
         p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, result) and not last
+        c.callbacks.call("on_validation_end", step, result, val_values(result))
     if step % t.save_every == 0 or last:
-        save_checkpoint(accelerator, cfg, run_dir, p)
+        save_checkpoint(accelerator, cfg, run_dir, p, c)
         return True
     return False
 
@@ -376,18 +355,25 @@ def judge(accelerator: Accelerator, trainer: TrainerConfig, c: Components, p: Pr
         save_model(accelerator, c, run_dir, p.step, result)
 
 
+def val_values(result: dict) -> dict:
+    """The last eval's values (`val_loss`, `val_<metric>`) as `result` holds them."""
+    return {key: value for key, value in result.items() if key.startswith("val_")}
+
+
 def scores(result: dict, step: int) -> dict:
     """The eval values at `step` (the eval just recorded in `result`), as `model_eval` holds them."""
-    return {"step": step, **{key: value for key, value in result.items() if key.startswith("val_")}}
+    return {"step": step, **val_values(result)}
 
 
-def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress) -> None:
+def save_checkpoint(accelerator: Accelerator, cfg: RunConfig, run_dir: Path, p: Progress, c: Components) -> None:
     window = {"loss_sum": p.window.loss_sum, "steps": p.window.steps}  # throughput restarts with the process
     state = {"seen": p.seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
              "monitor": p.monitor.state(),
              **checkpoint.identity(cfg),
              "config": schema.to_container(cfg)}  # what it was trained with: a resume with other settings says so
-    checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
+    path = checkpoint.save(accelerator, run_dir, p.step, state, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled)
+    log.info("step %d | checkpoint saved: %s", p.step, path)
+    c.callbacks.call("on_save_checkpoint", p.step, None, path)
 
 
 def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
@@ -403,6 +389,8 @@ def save_model(accelerator: Accelerator, c: Components, run_dir: Path, step: int
     """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's (files.replace_dir);
     `model_step` and `model_eval` (what that model scored at its eval) in `result`."""
     result["model_step"], result["model_eval"] = step, scores(result, step)
+    if c.test_loader is not None:  # the test split, on the model model/ keeps (a collective)
+        result["model_test"] = evaluation.run_test(accelerator, c, step, run_dir)
     state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
     if not accelerator.is_main_process:
         return

@@ -1,4 +1,5 @@
-"""The optimizer and its schedule: AdamW, linear warmup, cosine decay (trainer.* settings)."""
+"""The optimizer and its schedule: AdamW, linear warmup, cosine decay (trainer.* settings), or the user's own by
+`_target_` (`trainer.optimizer`, `trainer.scheduler`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import math
 import torch
 
 from xtrain.config.schema import Offload, RunConfig, TrainerConfig
+from xtrain.config.task import given
 from xtrain.distributed.cpu_seams import zero_on_cpu
+
+TOTAL_STEPS = ("total_steps", "num_training_steps", "T_max", "total_iters")  # filled from trainer.max_steps
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -21,12 +25,54 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
         {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]  # LoRA trains matrices only; DeepSpeed drops an empty group
+    node = given(cfg.trainer.optimizer)
+    if node is not None:
+        return users_optimizer(node, groups, params, cfg.trainer)
     hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
     if cfg.strategy.offload_optimizer is not Offload.none and not zero_on_cpu(cfg.strategy):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)
     return torch.optim.AdamW(groups, **hyper, fused=cfg.trainer.fused_optimizer or None)
+
+
+def users_optimizer(node: dict, groups: list, params: list, trainer: TrainerConfig) -> torch.optim.Optimizer:
+    """`trainer.optimizer`: the decay/no-decay groups with `trainer.weight_decay` (all parameters in one group where
+    the node gives its own `weight_decay`, or the optimizer takes none) and `trainer.lr` unless the node gives one."""
+    from xtrain.tasks.custom import call, takes
+    from xtrain.tasks.metrics import resolve
+
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    target = node["_target_"]
+    if "weight_decay" in kwargs or not takes(resolve("trainer.optimizer", target), "weight_decay"):
+        groups = [{"params": params}]
+    kwargs.setdefault("lr", trainer.lr)
+    return call("trainer.optimizer", {"_target_": target, **kwargs}, params=groups)
+
+
+def build_scheduler(optimizer, trainer: TrainerConfig):
+    """`trainer.scheduler` (given the optimizer, and `max_steps` where it takes a total-steps argument), else the
+    default: linear warmup, then cosine decay."""
+    node = given(trainer.scheduler)
+    if node is None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, trainer))
+    from xtrain.tasks.custom import call, takes
+    from xtrain.tasks.metrics import resolve
+
+    target = resolve("trainer.scheduler", node["_target_"])
+    totals = {name: trainer.max_steps for name in TOTAL_STEPS if name not in node and takes(target, name)}
+    return call("trainer.scheduler", node, optimizer=optimizer, **totals)
+
+
+def check(cfg: RunConfig) -> None:
+    """On the driver, before anything launches: the user's optimizer and schedule import and build (on a stand-in
+    parameter), so that a wrong `_target_` or argument is one line before any run dir is written."""
+    node = given(cfg.trainer.optimizer)
+    if node is not None or given(cfg.trainer.scheduler):
+        params = list(torch.nn.Linear(2, 2).parameters())
+        optimizer = (users_optimizer(node, [{"params": params}], params, cfg.trainer) if node is not None
+                     else torch.optim.AdamW(params, lr=cfg.trainer.lr))
+        build_scheduler(optimizer, cfg.trainer)
 
 
 def lr_factor(step: int, trainer: TrainerConfig) -> float:
@@ -40,7 +86,14 @@ def lr_factor(step: int, trainer: TrainerConfig) -> float:
 
 def set_hyperparameters(optimizer, scheduler, cfg: RunConfig) -> None:
     """A restored optimizer and schedule take run.yaml's learning rate and weight decay (a resume with
-    resume_changes=apply); the schedule's shape (warmup, max_steps, min_lr_ratio) is run.yaml's already."""
+    resume_changes=apply); the schedule's shape (warmup, max_steps, min_lr_ratio) is run.yaml's already. A user's
+    optimizer takes its node's arguments (its momentum, its lr) in every group."""
+    node = given(cfg.trainer.optimizer)
+    if node is not None:
+        for group in optimizer.param_groups:
+            group.update({k: tuple(v) if isinstance(v, list) else v for k, v in node.items()
+                          if k != "_target_" and k in group})
+        return
     schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper
     schedule.base_lrs = [cfg.trainer.lr] * len(schedule.base_lrs)
     for group in optimizer.param_groups:

@@ -1,10 +1,26 @@
-"""What a run reports as it trains: the train rows (metrics.jsonl, the trackers, a log line) and the eval's text,
-in the task's throughput unit (tokens for language models, examples for the others)."""
+"""What a run reports as it trains: result.json as the loop starts (and the header line), the train rows
+(metrics.jsonl, the trackers, a log line) and the eval's text, in the task's throughput unit (tokens for language
+models, examples for the others)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from xtrain.config.schema import RunConfig
+from xtrain.core import machine, rundir
+from xtrain.core.rundir import Status
+from xtrain.distributed import compiling, plugins
+from xtrain.distributed.estimate import model_state_memory
+from xtrain.engine.accelerator import fsdp_units
 
 log = logging.getLogger("xtrain")
 
@@ -19,11 +35,12 @@ class Window:
     count: int = 0  # in the task's unit (tokens, examples)
     train_s: float = 0.0
     lr: float = 0.0  # the learning rate of the window's last step
+    began: float = field(default_factory=time.perf_counter)  # (the wall clock: evals and saves included, for the ETA)
 
 
-def log_train(accelerator, window: Window, step: int, seen: int, skipped: int, unit: str) -> float:
-    """Log the window's mean train loss (over every rank), the rate its last step used and its throughput; returns
-    the loss."""
+def log_train(accelerator, window: Window, step: int, max_steps: int, seen: int, skipped: int, unit: str) -> float:
+    """Log the window's mean train loss (over every rank), the rate its last step used, its throughput, the steps
+    done and the time left at the window's pace (its evals and saves included); returns the loss."""
     train_loss = window.loss_sum / window.steps
     metrics = {
         "train/loss": train_loss,
@@ -33,9 +50,20 @@ def log_train(accelerator, window: Window, step: int, seen: int, skipped: int, u
         "train/skipped_steps": skipped,  # optimizer steps the fp16 loss scaler skipped (overflow), so far
     }
     accelerator.log(metrics, step=step)
-    log.info("step %d | loss %.4f | lr %.2e | %s %s/s", step, train_loss, metrics["train/lr"],
-             rate(metrics[f"train/{unit}_per_s"]), unit)
+    per_step = (time.perf_counter() - window.began) / max(1, window.steps)
+    log.info("step %d | loss %.4f | lr %.2e | %s %s/s | %d/%d steps, eta %s", step, train_loss, metrics["train/lr"],
+             rate(metrics[f"train/{unit}_per_s"]), unit, step, max_steps, duration((max_steps - step) * per_step))
     return train_loss
+
+
+def duration(seconds: float) -> str:
+    """`45s`, `12m05s`, `3h07m`."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def rate(per_s: float) -> str:
@@ -51,3 +79,47 @@ def eval_text(values: dict, final: bool = False) -> str:
         text += f" (ppl {values['val_ppl']:.1f})" if final else f" | val ppl {values['val_ppl']:.1f}"
     names = [k for k in values if k.startswith("val_") and k not in ("val_loss", "val_ppl")]
     return text + "".join(f" | val {name[4:]} {values[name]:.4f}" for name in names)
+
+
+def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path | None,
+                 start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
+    """result.json as the loop starts (status `running`), and the run's header line."""
+    t, world = cfg.trainer, accelerator.num_processes
+    trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
+    log.info(
+        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d %s",
+        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world, accelerator.distributed_type.value,
+        t.batch_size * t.grad_accum * world, c.task.batch_unit,
+    )
+    if resume_from is not None:
+        log.info("resumed from %s at step %d", resume_from, start_step)
+    result = {
+        "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
+        "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
+        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized).total,
+        "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
+    }
+    # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
+    own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores())
+    every = [own] * world
+    if world > 1:
+        torch.distributed.all_gather_object(every, own)
+    result["hosts"], result["cpu_threads"], result["cpu_cores"] = (list(column) for column in zip(*every))
+    if accelerator.distributed_type is DistributedType.FSDP:
+        result["fsdp_units"] = fsdp_units(c.model)
+    if cfg.trainer.compile:
+        result["compiled_regions"] = compiling.compiled_regions(c.model)
+    if world > 1:
+        result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        result["backend"] = torch.distributed.get_backend()  # nccl on GPUs, gloo on CPUs
+    return result
+
+
+def note_first_step(result: dict, process_start: float) -> None:
+    now = time.time()
+    result["time_to_first_step_s"] = round(now - process_start, 3)
+    result["first_step_at"] = now
+    restart = (result.get("restarts") or [{}])[-1]
+    if restart.get("stopped_at") and "down_s" not in restart:  # from the stop to this step, across the restart
+        restart["down_s"] = round(now - restart["stopped_at"], 3)

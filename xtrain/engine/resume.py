@@ -34,6 +34,19 @@ APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.warmup_steps", "traine
               "trainer.max_grad_norm")
 
 
+SCHEDULE = ("trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio")  # the default schedule's shape
+
+
+def applicable(key: str, now: dict) -> bool:
+    """`resume_changes=apply` can make this change take effect on the restored optimizer and schedule: xtrain's own
+    settings of them, a user optimizer's arguments (not its class); a user scheduler's state is its own, so neither it
+    nor the default schedule's shape can change under it."""
+    users_schedule = bool(now.get("trainer", {}).get("scheduler", {}).get("_target_"))
+    if key.startswith("trainer.optimizer."):
+        return key != "trainer.optimizer._target_"
+    return key in APPLICABLE and not (users_schedule and key in SCHEDULE)
+
+
 @dataclass(frozen=True)
 class Change:
     key: str
@@ -61,13 +74,13 @@ def changes(recorded: dict, now: dict, prefix: str = "") -> list[Change]:
     return found
 
 
-def refusal(found: list[Change], mode: str, what: str) -> str | None:
+def refusal(found: list[Change], mode: str, what: str, now: dict) -> str | None:
     """Why a resume with these changes cannot go on (`what`: where it resumes), or None."""
     trained = [c for c in found if c.trains]
     if not trained:
         return None
     listed = ", ".join(map(str, trained))
-    fixed = [c for c in trained if c.key not in APPLICABLE]
+    fixed = [c for c in trained if not applicable(c.key, now)]
     if fixed:
         return (f"{what} was trained with other settings: {listed}; {', '.join(c.key for c in fixed)} cannot change "
                 "within a run: resume with the settings it was started with, or start a new run_dir")
@@ -85,7 +98,7 @@ def record(found: list[Change]) -> dict:
 def applicable_changes(mode: str, recorded: dict | None, now: dict, what: str) -> list[Change]:
     """The changes a resume takes (a ConfigError where it must not); `recorded`: the checkpoint's config."""
     found = changes(recorded, now) if recorded is not None else []
-    reason = refusal(found, mode, what)
+    reason = refusal(found, mode, what, now)
     if reason:
         raise ConfigError(reason)
     return found

@@ -25,7 +25,7 @@ from xtrain.core import machine, rundir
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
 from xtrain.distributed import plugins
-from xtrain.engine import checkpoint, resume
+from xtrain.engine import callbacks, checkpoint, optim, resume
 from xtrain.launch import hardware
 from xtrain.tasks.facts import model_facts
 from xtrain.tasks.registry import task_for
@@ -65,6 +65,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
             "install them (apt-get install libaio-dev) or offload to cpu instead"
         )
     task_for(cfg).check()
+    callbacks.check(cfg)
+    optim.check(cfg)
     _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:

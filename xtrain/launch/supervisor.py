@@ -113,7 +113,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     """Run the workers under torchrun; return its exit code, or -signum if a signal stopped them at once.
     `ended()`: the run has recorded its end; a tree still alive `linger_s()` after that is stopped (exit code 0).
 
-    SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGTERM,
+    SIGINT and SIGTERM stop the whole tree at once. With `step_boundary` (training workers) SIGINT, SIGTERM,
     SIGUSR1 and SIGUSR2 instead ask the workers to stop at the next step boundary with a checkpoint
     (SIGUSR1 to each, once it listens: one that is still starting gets it when it does); a second one
     stops the tree at once."""
@@ -125,6 +125,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         "OMP_NUM_THREADS": str(threads_per_process(topology.processes_per_node)),
         # when the run started: this process's start, or the sweep point's (set by the sweep)
         "XTRAIN_LAUNCH_TIME": str(machine.launch_time()),
+        stopping.DRIVER_ENV: str(os.getpid()),
         "PYTHONUNBUFFERED": "1",
         **env,
     }
@@ -136,7 +137,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         proc = subprocess.Popen(
             torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
-            preexec_fn=stopping.ignore_in_child if step_boundary else None,
+            preexec_fn=_stopping_child if step_boundary else stopping.end_with_parent,
         )
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
@@ -186,6 +187,13 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         return -stopped_by[0]
     asked = stopping.requested() if step_boundary else None
     return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
+
+
+def _stopping_child() -> None:
+    """torchrun's preexec_fn for training workers: it ignores the stop signals (stopping.ignore_in_child), and it
+    ends (and ends its workers) when the driver does, however the driver ended."""
+    stopping.ignore_in_child()
+    stopping.end_with_parent()
 
 
 def _tell_workers(proc: subprocess.Popen, told: set[int]) -> None:
@@ -247,7 +255,7 @@ def run(cluster: ClusterConfig, run_dir: Path) -> dict:
             rundir.record_end(run_dir, "failed", error["summary"], started_only=True)
             raise ConfigError(error["summary"])
         rundir.record_end(run_dir, "failed", f"rank {error['rank']}: {error['summary']}", started_only=True)
-        if not error.get("diverged"):  # that one line says it all
+        if not error.get("one_line", error.get("diverged")):  # that one line says it all
             sys.stderr.write(error["traceback"])
         raise LaunchFailed(
             f"rank {error['rank']} failed: {error['summary']}\n"

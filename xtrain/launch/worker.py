@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from xtrain.core import stopping
-from xtrain.core.errors import ConfigError, Diverged, Terminated
+from xtrain.core.errors import CallbackFailed, ConfigError, Diverged, Terminated
 from xtrain.core.files import keep_private, write_atomic
 from xtrain.core.rundir import ERRORS_DIR
 
@@ -52,6 +52,7 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
         "time": time.time(),
         "config_error": isinstance(err, ConfigError),
         "diverged": isinstance(err, Diverged),
+        "one_line": isinstance(err, (Diverged, CallbackFailed)),  # its summary says it all: no traceback shown
         "terminated": isinstance(err, Terminated),
         "summary": summarize(err, timeout_s),
         "traceback": "".join(traceback.format_exception(err)),
@@ -66,6 +67,7 @@ def main() -> None:
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, on_sigterm)
+    stopping.end_with_parent()  # never outlive torchrun (which never outlives the driver)
     timeout_s = None
     try:
         from xtrain.config import schema

@@ -118,8 +118,8 @@ class Study:
         overrides = [*self.space.fixed, *swept, "resume=auto"]
         parallel = 1 if self.on_slurm else self.s.n_jobs  # (on SLURM each trial has an allocation of its own)
         point = sweep.plan_point(num, overrides, [short(o) for o in swept], self.compose, self.sweep_dir, parallel)
-        if probe:  # never written: a name no trial has
-            point.cfg.run_dir = str(self.sweep_dir / ".corner")
+        if probe:  # never written or resumed: a name no trial has
+            point.cfg.run_dir, point.cfg.resume = str(self.sweep_dir / ".corner"), "none"
         return point
 
     # ------------------------------------------------------------ the study
@@ -306,6 +306,7 @@ def plots(optuna_study, sweep_dir: Path) -> list[str]:
     from optuna.visualization import matplotlib as views
 
     made = []
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # (its notes on categorical axes are not the user's)
     for name, function in study_settings.PLOTS.items():
         try:
             with warnings.catch_warnings():

@@ -1,7 +1,7 @@
 """A sweep's summary files, derived from its points' run dirs and nothing else.
 
-`sweep.csv` (one row per point), `summary.md` (the same table for people, the best point
-marked: ranked by what the model each point kept scored) and `sweep.png` (val loss curves against
+`sweep.csv` (one row per point, in point order), `summary.md` (the same table for people, ranked best first by
+what the model each point kept scored, the best marked and ties said) and `sweep.png` (val loss curves against
 tokens seen, or examples where the task has no token blocks; the final val loss against one swept
 setting, or a heatmap over two). Any machine that sees the files can regenerate them at
 any time: a running, a killed or a finished sweep alike.
@@ -100,7 +100,24 @@ def rows(sweep_dir: Path) -> list[dict]:
         out.append({"point": entry["dir"], **{k: values.get(k, "") for k in keys},
                     **run_row(Path(sweep_dir) / entry["dir"], objective)})
     columns = list(dict.fromkeys(key for row in out for key in row))  # a pending point lacks its task's values
+    columns = [key for key in columns if key not in LANGUAGE_MODEL_ONLY or any(row.get(key, "") != "" for row in out)]
     return [{key: row.get(key, "") for key in columns} for row in out]
+
+
+LANGUAGE_MODEL_ONLY = ("val_ppl", "tokens_per_s", "batch_tokens")  # (columns a classifier's points leave empty)
+
+
+def ranked(table: list[dict], objective: str, direction: str) -> list[dict]:
+    """The points best first (by what the model each kept scored), then those with no score, in point order."""
+    done = [r for r in table if isinstance(scored(r, objective), float) and math.isfinite(scored(r, objective))]
+    done.sort(key=lambda r: scored(r, objective), reverse=direction == "maximize")  # (stable: ties in point order)
+    return done + [r for r in table if r not in done]
+
+
+def ties(table: list[dict], top: dict, objective: str) -> list[str]:
+    """The points that scored what the best scored."""
+    return [r["point"] for r in table if r is not top and r["status"] == "completed"
+            and scored(r, objective) == scored(top, objective)]
 
 
 def study_record(sweep_dir: Path) -> dict:
@@ -175,15 +192,17 @@ def markdown(sweep_dir: Path, table: list[dict]) -> str:
     if top:
         lowest = "highest" if direction == "maximize" else "lowest"
         step = f" (its model/, step {top['model_step']})" if top.get("model_step", "") != "" else ""
-        lines += [f"Best ({lowest} {objective}): **{top['point']}**, {objective} {fmt(scored(top, objective))}{step}",
-                  ""]
+        tied = ties(table, top, objective)
+        tie = f"; tied with {', '.join(tied)}" if tied else ""
+        lines += [f"Best ({lowest} {objective}): **{top['point']}**, {objective} {fmt(scored(top, objective))}{step}"
+                  f"{tie}", "", f"Points ranked by {objective}, best first:", ""]
     pictures = [name for name in [PLOT, *study_settings.PLOTS] if (Path(sweep_dir) / name).exists()]
     if record and pictures:
         lines += ["Pictures: " + ", ".join(f"[{name}]({name})" for name in pictures), ""]
     header = list(table[0]) if table else ["point"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
-    for r in table:
+    for r in ranked(table, objective, direction):
         cells = [fmt(r[h]).replace("|", "/") for h in header]
         if r is top:
             cells[0] = f"**{cells[0]}** (best)"
@@ -241,9 +260,9 @@ def plot(sweep_dir: Path, table: list[dict]) -> None:
     grid = 0 < len(keys) <= 2 and not study_record(sweep_dir)  # a study's sampled values make no grid: Optuna draws it
     fig, axes = plt.subplots(1, 2 if grid else 1, figsize=(13 if grid else 7, 4.8), squeeze=False)
     curves = axes[0][0]
-    tokens = all(r["batch_tokens"] != "" for r in table if r["batch_sequences"] != "")  # else examples
+    tokens = all(r.get("batch_tokens", "") != "" for r in table if r.get("batch_sequences", "") != "")  # else examples
     for r in table:
-        xs, ys = _val_curve(Path(sweep_dir) / r["point"], r["batch_tokens"] if tokens else r["batch_sequences"])
+        xs, ys = _val_curve(Path(sweep_dir) / r["point"], r.get("batch_tokens" if tokens else "batch_sequences", ""))
         if xs:
             label = " ".join(f"{k.split('.')[-1]}={r[k]}" for k in keys) or r["point"]
             curves.plot(xs, ys, marker="o", markersize=3, label=f"{label} ({r['status']})")

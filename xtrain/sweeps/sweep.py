@@ -100,10 +100,12 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
 
 
 def completed(path: Path, trainer: TrainerConfig) -> bool:
-    """The point has run to its end: `trainer.max_steps`, or an early stop (a resumed sweep leaves it as it is). A
+    """The point has run to its end: `trainer.max_steps`, or an early stop (the monitor's, or a callback's: a resumed
+    sweep leaves it as it is). A
     run completed at fewer steps than `max_steps` asks now (raised with resume_changes=apply) trains on."""
     done = rundir.read_result(path)
-    return done.get("status") == Status.completed and ("early_stop" in done or done.get("steps", 0) >= trainer.max_steps)
+    stopped_early = "early_stop" in done or "callback_stop" in done
+    return done.get("status") == Status.completed and (stopped_early or done.get("steps", 0) >= trainer.max_steps)
 
 
 def check_same_config(point: Point) -> None:
@@ -112,9 +114,11 @@ def check_same_config(point: Point) -> None:
     on_disk = point.path / rundir.RUN_CONFIG
     if not on_disk.exists():
         return
-    found = resume.changes(schema.to_container(schema.load(str(on_disk))), schema.to_container(point.cfg))
-    applied = resume.APPLICABLE if point.cfg.resume_changes == "apply" else ()
-    differ = [f"{c.key}: {c.old!r} on disk vs {c.new!r} now" for c in found if c.trains and c.key not in applied]
+    now = schema.to_container(point.cfg)
+    found = resume.changes(schema.to_container(schema.load(str(on_disk))), now)
+    apply = point.cfg.resume_changes == "apply"
+    differ = [f"{c.key}: {c.old!r} on disk vs {c.new!r} now" for c in found
+              if c.trains and not (apply and resume.applicable(c.key, now))]
     if differ:
         raise ConfigError(
             f"point {point.num} ({point.label}): run_dir={point.path} holds a run with other settings "

@@ -17,6 +17,7 @@ class TaskData:
     unit: str = "examples"  # what one dataset item is, for the log: "blocks"
     unit_note: str = ""  # e.g. " of 128 tokens"
     collate: object = None  # the loaders' collate_fn (None: stack the items)
+    test_set: object = None  # where the run has a test split
 
 
 class Task(Protocol):
@@ -43,8 +44,12 @@ class Task(Protocol):
     def on_meta(self):
         """The model on the meta device: its parameters counted and its blocks found without memory."""
 
+    def data(self) -> TaskData:
+        """The datasets and their collate, without a model (`model` None): what `xtrain.eval` evaluates."""
+
     def build(self, accelerator) -> TaskData:
-        """The model and the train/val sets. Every rank calls it; data preparation happens once (main first)."""
+        """The model and the train/val (and test) sets. Every rank calls it; data preparation happens once (main
+        first)."""
 
     def weight(self, batch):
         """What the micro-batch's loss averages over (trained tokens, positions, examples): an int where it is the

@@ -9,6 +9,7 @@ the whole split. The metrics see the whole split's outputs in the form each take
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from xtrain.config.schema import RunConfig
+from xtrain.config.task import given
 from xtrain.core.errors import ConfigError
 from xtrain.data.collate import CastFloat64
 from xtrain.tasks import metrics as built_in
@@ -78,15 +80,20 @@ def check_item(key: str, item) -> None:
 
 
 def build_datasets(cfg: RunConfig) -> tuple:
+    """The train and val datasets, and the test dataset where `data.test` names one (else None)."""
     importable(cfg.task.code_dir)
     sets = []
-    for split in ("train", "val"):
-        dataset = call(f"data.{split}", getattr(cfg.data, split))
+    for split in ("train", "val", "test"):
+        node = given(getattr(cfg.data, split))
+        if node is None:
+            sets.append(None)
+            continue
+        dataset = call(f"data.{split}", node)
         if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise ConfigError(f"data.{split}._target_={getattr(cfg.data, split)['_target_']}: returned a "
+            raise ConfigError(f"data.{split}._target_={node['_target_']}: returned a "
                               f"{type(dataset).__name__}, not a map-style dataset (__getitem__ and __len__)")
         if len(dataset) == 0:
-            raise ConfigError(f"data.{split}._target_={getattr(cfg.data, split)['_target_']}: the dataset is empty")
+            raise ConfigError(f"data.{split}._target_={node['_target_']}: the dataset is empty")
         check_item(f"data.{split}", dataset[0])
         sets.append(dataset)
     return tuple(sets)
@@ -110,8 +117,9 @@ class Custom:
     def check(self) -> None:
         """On the driver, before anything launches: every `_target_` imports and builds, the items have a shape the
         loop can use, and a train batch and a val batch go through the model, the loss and every metric."""
-        train_set, val_set = build_datasets(self.cfg)
+        train_set, val_set, _ = build_datasets(self.cfg)
         self.loss_fn()
+        self.collate()
         model = build_model(self.cfg)
         batch_size = max(2, self.cfg.trainer.batch_size)
         with torch.no_grad():
@@ -137,13 +145,19 @@ class Custom:
         except ConfigError:
             raise
         except Exception as err:
-            node = self.cfg.task.loss
+            node = given(self.cfg.task.loss)
             name = f"task.loss._target_={node['_target_']}" if node else "task.loss (cross-entropy)"
             raise ConfigError(f"{name}: failed on outputs of shape {describe(outputs)} and targets of shape "
                               f"{describe(target)}: {type(err).__name__}: {one_line(err)}") from None
 
     def collate(self, quiet: bool = False):
-        return CastFloat64(quiet=quiet)
+        """What makes a batch of items: `data.collate_fn` where given (its batches' float64 tensors cast too), else
+        torch's default collate."""
+        node = given(getattr(self.cfg.data, "collate_fn", None))
+        users = built_in.resolve("data.collate_fn", node["_target_"]) if node else None
+        if users is not None and len(node) > 1:
+            users = functools.partial(users, **{k: v for k, v in node.items() if k != "_target_"})
+        return CastFloat64(users, quiet=quiet)
 
     def identity(self) -> dict:
         return {"model": self.cfg.model.node()}
@@ -155,13 +169,19 @@ class Custom:
         with torch.device("meta"):
             return build_model(self.cfg)
 
+    def data(self) -> TaskData:
+        """The datasets (and the collate), without a model."""
+        train_set, val_set, test_set = build_datasets(self.cfg)
+        return TaskData(None, train_set, val_set, unit="examples", collate=self.collate(), test_set=test_set)
+
     def build(self, accelerator) -> TaskData:
-        train_set, val_set = build_datasets(self.cfg)
-        return TaskData(build_model(self.cfg), train_set, val_set, unit="examples", collate=self.collate())
+        built = self.data()
+        built.model = build_model(self.cfg)
+        return built
 
     def loss_fn(self):
         if self._loss is None:
-            node = self.cfg.task.loss
+            node = given(self.cfg.task.loss)
             if node is None:
                 self._loss = lambda outputs, target: F.cross_entropy(outputs.float(), target, reduction="none")
                 self.ignore_index = -100
@@ -175,7 +195,7 @@ class Custom:
                         module.reduction = "none"  # per example: the val loss is exact over the split
                     self._loss = module
                 else:
-                    if "reduction" not in kwargs and takes_reduction(target):  # torch.nn.functional's losses
+                    if "reduction" not in kwargs and takes(target, "reduction"):  # torch.nn.functional's losses
                         kwargs["reduction"] = "none"
                     self._loss = (lambda f, kw: lambda o, t: f(o, t, **kw))(target, kwargs)
                 self.ignore_index = getattr(self._loss, "ignore_index", kwargs.get("ignore_index", -100))
@@ -268,11 +288,12 @@ class Custom:
         raise ConfigError("trainer.sample_prompts: answering prompts is for task=causal_lm")
 
 
-def takes_reduction(function) -> bool:
+def takes(target, name: str) -> bool:
+    """The callable has a parameter `name`."""
     import inspect
 
     try:
-        return "reduction" in inspect.signature(function).parameters
+        return name in inspect.signature(target).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
 

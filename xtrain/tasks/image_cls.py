@@ -5,6 +5,7 @@ signature takes them and the model node does not set them. A transformers model 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 
@@ -50,13 +51,17 @@ class ImageCls(Custom):
     def check(self) -> None:
         """On the driver, before anything launches: the sources exist and the builder makes a module."""
         images.sources(self.cfg.data)
+        if self.cfg.data.test:
+            images.sources(dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test)))
         self.on_meta()
 
     def identity(self) -> dict:
         return {"model": {**self.cfg.model.node(), "num_labels": self.cfg.task.num_labels}}
 
     def prepare(self) -> images.PreparedImages:
-        return images.prepare(self.cfg.data, self.cfg.task)
+        prepared = images.prepare(self.cfg.data, self.cfg.task)
+        self.test_set(prepared)  # (the test images too, before any rank starts)
+        return prepared
 
     def build_model(self, image_size: int | None = None) -> torch.nn.Module:
         """The model; `image_size` (the prepared images' side) is offered where `task.image_size` is not set."""
@@ -83,15 +88,28 @@ class ImageCls(Custom):
         with torch.device("meta"):
             return self.build_model()
 
-    def build(self, accelerator) -> TaskData:
+    def data(self) -> TaskData:
         prepared = self.prepare()  # (prepared by the driver: read from the cache)
-        self.label_names = prepared.meta["label_names"]
+        self.label_names, self.size = prepared.meta["label_names"], prepared.meta["size"][0]
         train_set, val_set = prepared.splits(self.cfg.task.augment, self.cfg.trainer.seed)
-        model = self.build_model(image_size=prepared.meta["size"][0])
+        return TaskData(None, train_set, val_set, unit="images", test_set=self.test_set(prepared))
+
+    def test_set(self, prepared):
+        """`data.test`'s images (every one a test example, classes mapped as the training data's), or None."""
+        if not self.cfg.data.test:
+            return None
+        test_data = dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test), test=[])
+        tested = images.prepare(test_data, self.cfg.task, prepared.meta["label_names"], test=True)
+        return tested.splits([], self.cfg.trainer.seed)[1]
+
+    def build(self, accelerator) -> TaskData:
+        built = self.data()
+        model = self.build_model(image_size=self.size)
         if self.label_names and hasattr(getattr(model, "config", None), "id2label"):
             model.config.id2label = dict(enumerate(self.label_names))
             model.config.label2id = {name: i for i, name in enumerate(self.label_names)}
-        return TaskData(model, train_set, val_set, unit="images")
+        built.model = model
+        return built
 
     def export(self, model, state_dict: dict, out: Path) -> None:
         if hasattr(model, "save_pretrained"):

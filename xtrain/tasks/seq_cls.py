@@ -5,6 +5,7 @@ config naming the labels."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -57,14 +58,19 @@ class SeqCls(Custom):
         from xtrain.data import sources
 
         sources.check(self.cfg.data)
+        if self.cfg.data.test:
+            sources.check(dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test)))
         pretrained.pretrained_config(self.cfg.model)
+        labelled.check_unprepared(self.cfg.data, self.cfg.model, self.task)
 
     def identity(self) -> dict:
         return {"model": {**pretrained.identity(self.cfg.model), "num_labels": self.num_labels,
                           "problem": self.task.problem.value}}
 
     def prepare(self) -> labelled.PreparedRecords:
-        return labelled.prepare(self.cfg.data, self.cfg.model, self.task)
+        prepared = labelled.prepare(self.cfg.data, self.cfg.model, self.task)
+        self.test_set(prepared)  # (the test records too, before any rank starts)
+        return prepared
 
     def model_kwargs(self) -> dict:
         kwargs = {"num_labels": self.num_labels, "problem_type": PROBLEM_TYPES[self.task.problem]}
@@ -103,17 +109,30 @@ class SeqCls(Custom):
                      ", ".join(sorted(info["missing_keys"])))
         return model
 
-    def build(self, accelerator) -> TaskData:
+    def data(self) -> TaskData:
         prepared = self.prepare()  # (prepared by the driver: read from the cache)
         self.tokenizer, self.label_names = prepared.tokenizer, prepared.meta["label_names"]
         train_set, val_set = prepared.splits(self.num_labels)
+        return TaskData(None, train_set, val_set, unit="examples", test_set=self.test_set(prepared),
+                        collate=PadToLongest({"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 0}))
+
+    def test_set(self, prepared):
+        """`data.test`'s records (every one a test example, labels mapped as the training data's), or None."""
+        if not self.cfg.data.test:
+            return None
+        test_data = dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test), test=[])
+        tested = labelled.prepare(test_data, self.cfg.model, self.task, prepared.meta["label_names"], test=True)
+        return tested.splits(self.num_labels)[1]
+
+    def build(self, accelerator) -> TaskData:
+        built = self.data()
         model = self.load_pretrained()
         if model.config.pad_token_id is None:  # a decoder classifies at the last token before the padding
             model.config.pad_token_id = self.tokenizer.pad_token_id
         if self.cfg.model.lora.enabled:
             model = lora.adapt(model, self.cfg.model.lora, task_type="SEQ_CLS")
-        return TaskData(model, train_set, val_set, unit="examples",
-                        collate=PadToLongest({"input_ids": self.tokenizer.pad_token_id, "token_type_ids": 0}))
+        built.model = model
+        return built
 
     def loss_fn(self):
         problem = self.task.problem

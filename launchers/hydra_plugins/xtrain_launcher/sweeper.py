@@ -49,7 +49,9 @@ class OptunaSweeper(Sweeper):
         s = dict(self.settings)
         params = s.pop("params")
         params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params or {})
-        known = {*setting_names(), *GROUP_SCHEMAS, "experiment"}
+        composed = OmegaConf.to_container(self.config, resolve=False)
+        composed.pop("hydra", None)
+        known = {*setting_names(), *GROUP_SCHEMAS, "experiment", *flat(composed)}  # a model's own arguments too
         space = search_space.parse([f"{k}={v}" for k, v in flat(params).items()] + list(arguments), known)
         if not space.distributions:
             raise ConfigError("hydra.sweeper.params: no search space; give at least one setting to sample, e.g. "

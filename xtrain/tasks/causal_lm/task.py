@@ -54,27 +54,33 @@ class CausalLM:
     def on_meta(self):
         return models.on_meta(self.cfg.model, self.cfg.data.block_size)
 
-    def build(self, accelerator) -> TaskData:
-        cfg = self.cfg
+    def data(self) -> TaskData:
         # The driver prepared the data before this worker started (backends/local.py): this reads the cache. A
         # rank that finds it missing prepares it under the cache's lock, while the others wait on the lock, not
         # in a collective.
+        cfg = self.cfg
         prepared = self.prepare()
         self.tokenizer = prepared.tokenizer
         train_set, val_set = prepared.splits()
-        # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
-        model = models.build(cfg.model, self.tokenizer, cfg.data.block_size, shard_later=plugins.builds_on_meta(cfg))
-        if cfg.model.lora.enabled:
-            model = lora.adapt(model, cfg.model.lora)
         if cfg.data.source is not DataSource.sft:
-            return TaskData(model, train_set, val_set, unit="blocks", unit_note=f" of {cfg.data.block_size} tokens")
+            return TaskData(None, train_set, val_set, unit="blocks", unit_note=f" of {cfg.data.block_size} tokens")
         if cfg.data.packing:
-            return TaskData(model, train_set, val_set, unit="packed blocks", unit_note=f" of {cfg.data.block_size} tokens")
+            return TaskData(None, train_set, val_set, unit="packed blocks", unit_note=f" of {cfg.data.block_size} tokens")
         from xtrain.data.collate import PadToLongest
         from xtrain.tasks.causal_lm.sft import IGNORE as NOT_TRAINED
 
         pads = {"input_ids": self.tokenizer.pad_token_id, "labels": NOT_TRAINED}
-        return TaskData(model, train_set, val_set, unit="examples", collate=PadToLongest(pads))
+        return TaskData(None, train_set, val_set, unit="examples", collate=PadToLongest(pads))
+
+    def build(self, accelerator) -> TaskData:
+        cfg = self.cfg
+        built = self.data()
+        # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
+        model = models.build(cfg.model, self.tokenizer, cfg.data.block_size, shard_later=plugins.builds_on_meta(cfg))
+        if cfg.model.lora.enabled:
+            model = lora.adapt(model, cfg.model.lora)
+        built.model = model
+        return built
 
     def directions(self) -> dict[str, str]:
         return {"val_loss": "minimize", "val_ppl": "minimize"}

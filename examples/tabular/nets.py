@@ -1,4 +1,4 @@
-"""A small MLP for tables: the model of a user project (`model._target_=mymodels.mlp`)."""
+"""A small MLP for tables: the model of a user project (`model._target_=nets.mlp`)."""
 
 from torch import nn
 

@@ -1,0 +1,395 @@
+"""Your own loop, complete: on a user project of scikit-learn tables (examples/tabular, copied outside the package),
+an optimizer and a schedule of your own, a loss with arguments from the command line, a test split, `xtrain.eval`
+and its predictions, callbacks (one that stops the run on every rank), a collate of your own, a Ctrl-C that stops at
+a step boundary, workers that never outlive their driver, summaries ranked by the monitor, and one line for each
+mistake."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import (assert_equal_weights, assert_one_line_error, example_project, read_metrics, read_result,
+                      run_xtrain, start_xtrain)
+
+EXTRA = '''import json
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+
+def smoothed_ce(outputs, targets, smoothing=0.0):
+    return F.cross_entropy(outputs, targets, label_smoothing=smoothing, reduction="none")
+
+
+def as_dict(items):
+    """A collate of the user's: (features, target) pairs as {"features", "target"}; it leaves a mark it ran."""
+    open("collated", "a").close()
+    features, targets = default_collate(items)
+    return {"features": features, "target": targets}
+
+
+class Slow:
+    """The first 20 steps take a while: time to signal before the run ends, and for a second Ctrl-C before the
+    first one's step boundary."""
+
+    def on_train_batch_end(self, state, loss):
+        import time
+
+        if state.step < 20:
+            time.sleep(0.3)
+
+
+class Failing:
+    def on_validation_end(self, state, metrics):
+        if state.step > 0:
+            raise ValueError("no room for the matrix")
+
+
+class Noted:
+    """Every hook, in order, in <run dir>/hooks.jsonl (on every rank: each writes its own file)."""
+
+    every_rank = True
+
+    def __init__(self):
+        self.rank = os.environ.get("RANK", "0")
+
+    def _note(self, state, hook, extra=None):
+        with open(state.run_dir / f"hooks{self.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"hook": hook, "step": state.step, **(extra or {})}) + "\\n")
+
+    def on_train_start(self, state):
+        self._note(state, "on_train_start")
+
+    def on_validation_end(self, state, metrics):
+        self._note(state, "on_validation_end", {"val_loss": metrics["val_loss"]})
+
+    def on_save_checkpoint(self, state, path):
+        self._note(state, "on_save_checkpoint", {"path": str(path)})
+
+    def on_train_end(self, state):
+        self._note(state, "on_train_end")
+'''
+
+WINE = ["--config-dir", "conf", "experiment=wine"]
+SGD = ["trainer.optimizer._target_=torch.optim.SGD", "+trainer.optimizer.momentum=0.9",
+       "trainer.scheduler._target_=torch.optim.lr_scheduler.OneCycleLR", "+trainer.scheduler.max_lr=0.1"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return example_project(tmp_path_factory, "tabular", {"extra.py": EXTRA})
+
+
+@pytest.fixture(scope="module")
+def sgd_run(project, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sgd") / "run"
+    run_xtrain(*WINE, f"run_dir={run_dir}", *SGD, "trainer.log_every=1", "trainer.save_every=10",
+               "data.test._target_=tables.table", "+data.test.name=wine", "+data.test.split=test",
+               "trainer.export=best", "trainer.monitor=val_accuracy", cwd=project)
+    return run_dir
+
+
+def test_sgd_with_momentum_on_a_one_cycle_schedule_trains_as_torch_steps_it(sgd_run):
+    """Each logged lr is OneCycleLR's at that step (fed trainer.max_steps as total_steps), and the optimizer's
+    momentum is the one asked for."""
+    import yaml
+
+    recorded = yaml.safe_load((sgd_run / "run.yaml").read_text())["trainer"]
+    assert recorded["optimizer"] == {"_target_": "torch.optim.SGD", "momentum": 0.9}
+    assert recorded["scheduler"] == {"_target_": "torch.optim.lr_scheduler.OneCycleLR", "max_lr": 0.1}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-3, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=60)
+    expected = []
+    for _ in range(60):
+        expected.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    logged = [row["train/lr"] for row in read_metrics(sgd_run) if "train/lr" in row]
+    assert logged == pytest.approx(expected, rel=1e-9)
+    result = read_result(sgd_run)
+    assert result["status"] == "completed" and result["val_accuracy"] > 0.9
+
+
+def test_a_killed_sgd_one_cycle_run_resumes_bitwise(project, sgd_run, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*WINE, f"run_dir={run_dir}", *SGD, "trainer.log_every=1", "trainer.save_every=10",
+            "data.test._target_=tables.table", "+data.test.name=wine", "+data.test.split=test",
+            "trainer.export=best", "trainer.monitor=val_accuracy"]
+    checkpoints = run_dir / "checkpoints"
+    proc = start_xtrain(*args, "trainer.max_steps=60", quiet=True, cwd=project)
+    deadline = time.monotonic() + 300
+    while not (checkpoints / "step_00000010" / "xtrain_state.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if (checkpoints / "step_00000060").exists():
+        pytest.fail("the run ended before it could be killed")
+    run_xtrain(*args, "resume=auto", cwd=project)
+    assert_equal_weights(sgd_run, run_dir)
+    assert read_result(run_dir)["test_accuracy"] == read_result(sgd_run)["test_accuracy"]
+
+
+def test_the_test_split_is_evaluated_on_the_kept_model_and_xtrain_eval_agrees(project, sgd_run, tmp_path):
+    """test_<name> are the model/'s (export=best: the best eval's), in result.json and metrics.jsonl;
+    `xtrain.eval` on that model gives the run's own val values at the step model/ is from, and the test ones;
+    its predictions are the model's, one line per example."""
+    result = read_result(sgd_run)
+    assert result["model_test"]["step"] == result["model_step"]
+    assert {"test_loss", "test_accuracy", "test_auroc"} <= set(result)
+    last = read_metrics(sgd_run)[-1]
+    assert last["step"] == 60 and last["test/accuracy"] == result["test_accuracy"]
+    predictions = tmp_path / "preds.jsonl"
+    for split, expected in (("val", result["model_eval"]), ("test", result)):
+        proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(sgd_run), f"split={split}",
+                               f"predictions={predictions}"], capture_output=True, text=True, cwd=project)
+        assert proc.returncode == 0, proc.stderr
+        record = json.loads((sgd_run / "eval.json").read_text())[split]
+        assert record["step"] == result["model_step"]
+        for name in ("loss", "accuracy", "auroc"):
+            assert record[name] == pytest.approx(expected[f"{split}_{name}"], rel=1e-6), (split, name)
+        assert f"{split}: step {result['model_step']}" in proc.stdout
+    rows = [json.loads(line) for line in predictions.read_text().splitlines()]
+    assert len(rows) == 36 and set(rows[0]) == {"index", "prediction", "scores", "target"}
+    assert sum(r["prediction"] == r["target"] for r in rows) / len(rows) == pytest.approx(result["test_accuracy"])
+    assert all(r["prediction"] == max(range(3), key=r["scores"].__getitem__) for r in rows)
+
+
+def test_xtrain_eval_on_two_processes_gives_one_processs_values_and_bad_input_is_one_line(project, sgd_run, tmp_path):
+    one = json.loads((sgd_run / "eval.json").read_text())["val"] if (sgd_run / "eval.json").exists() else None
+    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(sgd_run), "num_processes=2"], capture_output=True,
+                          text=True, cwd=project)
+    assert proc.returncode == 0, proc.stderr
+    two = json.loads((sgd_run / "eval.json").read_text())["val"]
+    assert two["loss"] == pytest.approx(read_result(sgd_run)["model_eval"]["val_loss"], rel=1e-6)
+    assert two["accuracy"] == read_result(sgd_run)["model_eval"]["val_accuracy"]
+    assert one is None or two["accuracy"] == one["accuracy"]
+    for args, expected in (([str(sgd_run), "split=dev"], "split=dev: choose val, test, train"),
+                           ([str(tmp_path / "nowhere")], f"{tmp_path / 'nowhere'}: no such directory"),
+                           ([str(sgd_run), "data.nope=1"], "data.nope=1: the run has no setting data.nope")):
+        bad = subprocess.run([sys.executable, "-m", "xtrain.eval", *args], capture_output=True, text=True, cwd=project)
+        assert_one_line_error(bad, expected)
+
+
+def test_callbacks_see_every_hook_and_one_that_stops_ends_every_rank_at_a_step_boundary(project, tmp_path):
+    """A callback stops the run once val accuracy reaches 0.9: both ranks stop at that eval's step (the main
+    process's request, broadcast), each saving its part of the checkpoint; the run is complete, its model exported;
+    an every-rank callback saw each hook on both ranks; the user's ConfusionMatrix wrote one file per eval."""
+    run_dir = tmp_path / "run"
+    run_xtrain(*WINE, f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8",
+               "trainer.callbacks=[{_target_: mycallbacks.StopWhen, at: 0.9}, {_target_: extra.Noted}, "
+               "{_target_: mycallbacks.ConfusionMatrix}]", cwd=project)
+    result = read_result(run_dir)
+    stop = result["callback_stop"]
+    assert result["status"] == "completed" and result["steps"] == stop["step"] < 60 and stop["step"] % 15 == 0
+    assert stop["reason"].startswith("val_accuracy ") and result["model_step"] == stop["step"]
+    saved = run_dir / "checkpoints" / f"step_{stop['step']:08d}"
+    assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    for rank in (0, 1):
+        hooks = [json.loads(line) for line in (run_dir / f"hooks{rank}.jsonl").read_text().splitlines()]
+        assert hooks[0] == {"hook": "on_train_start", "step": 0} and hooks[-1]["hook"] == "on_train_end"
+        assert [h["step"] for h in hooks if h["hook"] == "on_validation_end"] == list(range(0, stop["step"] + 1, 15))
+        assert [h["path"] for h in hooks if h["hook"] == "on_save_checkpoint"][-1] == str(saved)
+    assert sorted(p.name for p in (run_dir / "confusion").iterdir()) == [
+        f"step_{s}.json" for s in sorted(range(0, stop["step"] + 1, 15), key=str)]
+
+
+def test_a_failing_callback_is_one_line_and_a_failed_run(project, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_xtrain(*WINE, f"run_dir={run_dir}", "trainer.callbacks=[{_target_: extra.Failing}]", check=False,
+                      cwd=project)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("xtrain: error: trainer.callbacks[0] (extra.Failing)."
+                                                    "on_validation_end raised ValueError: no room for the matrix")
+    assert read_result(run_dir)["status"] == "failed"
+
+
+@pytest.mark.parametrize("spelling", ["task.loss._target_=extra.smoothed_ce", "++task.loss._target_=extra.smoothed_ce",
+                                      "task.loss={_target_: extra.smoothed_ce}"])
+def test_a_loss_and_a_collate_of_your_own_from_the_command_line(project, tmp_path, spelling):
+    run_dir = tmp_path / "run"
+    run_xtrain(*WINE, f"run_dir={run_dir}", spelling, "+task.loss.smoothing=0.1",
+               "data.collate_fn._target_=extra.as_dict", "trainer.max_steps=5", "trainer.warmup_steps=1", cwd=project)
+    import yaml
+
+    recorded = yaml.safe_load((run_dir / "run.yaml").read_text())
+    assert recorded["task"]["loss"] == {"_target_": "extra.smoothed_ce", "smoothing": 0.1}
+    assert recorded["data"]["collate_fn"] == {"_target_": "extra.as_dict"}
+    assert (project / "collated").exists() and read_result(run_dir)["status"] == "completed"
+    # label smoothing keeps the loss of a right answer above 0: the untrained model's val loss is near ln 3 either way
+    assert read_result(run_dir)["initial_val_loss"] == pytest.approx(math.log(3), abs=0.5)
+
+
+def test_a_study_samples_a_keyword_argument_of_your_own_model(project, tmp_path):
+    sweep_dir = tmp_path / "study"
+    run_xtrain("-m", *WINE, f"run_dir={sweep_dir}", "hydra/sweeper=xtrain_optuna", "hydra.sweeper.n_trials=2",
+               "hydra.sweeper.seed=0", "model.hidden=choice(8,16)", "trainer.max_steps=15", "trainer.eval_every=15",
+               cwd=project)
+    hidden = {json.loads((sweep_dir / p["dir"] / "trial.json").read_text())["number"]:
+              __import__("yaml").safe_load((sweep_dir / p["dir"] / "run.yaml").read_text())["model"]["hidden"]
+              for p in json.loads((sweep_dir / "sweep.json").read_text())["points"]}
+    assert set(hidden.values()) <= {8, 16} and len(hidden) == 2
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_the_run_resumes_bitwise(project, tmp_path):
+    """The first Ctrl-C: the step's checkpoint, one line naming how to continue, exit 130; resumed, the run ends
+    where an unbroken one ends. A second Ctrl-C stops at once, in one line."""
+    long = ["trainer.max_steps=200", "trainer.log_every=1", "trainer.eval_every=200", "trainer.save_every=200"]
+    slow = "trainer.callbacks=[{_target_: extra.Slow}]"
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    run_xtrain(*WINE, f"run_dir={whole}", *long, cwd=project)
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", *WINE, f"run_dir={stopped}", *long, slow], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(stopped, proc, 5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    step = read_result(stopped)["stop"]["step"]
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"xtrain: stopped by SIGINT at step {step} with a checkpoint; to continue, "
+                                            f"run the same command with run_dir={stopped} resume=auto")
+    assert (stopped / "checkpoints" / f"step_{step:08d}" / "xtrain_state.json").is_file()
+    run_xtrain(*WINE, f"run_dir={stopped}", *long, slow, "resume=auto", cwd=project)
+    assert_equal_weights(whole, stopped)
+    assert read_result(stopped)["restarts"][0]["steps_lost"] == 0
+
+    twice = tmp_path / "twice"
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", *WINE, f"run_dir={twice}", *long, slow], cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_rows(twice, proc, 3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # (two signals at once are one: the second must come after the first was taken)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("xtrain: stopped at once by a second SIGINT; to continue")
+
+
+def wait_for_rows(run_dir, proc, rows: int) -> None:
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and
+               len((run_dir / "metrics.jsonl").read_text().splitlines()) >= rows):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+
+
+def test_the_workers_never_outlive_a_driver_killed_outright(project, tmp_path):
+    """SIGKILL to the driver of 2 processes (an OOM killer, a scheduler killing the parent): its workers end too,
+    leaving the run as its newest checkpoint has it (resume=auto continues it)."""
+    run_dir = tmp_path / "run"
+    args = [*WINE, f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", "trainer.save_every=5",
+            "trainer.eval_every=100000", "trainer.warmup_steps=5"]
+    driver = start_xtrain(*args, "trainer.max_steps=100000", "trainer.log_every=1", quiet=True, cwd=project)
+    wait_for_rows(run_dir, driver, 8)
+    tree = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
+    assert sum("xtrain.launch.worker" in " ".join(p.cmdline()) for p in tree if p.is_running()) >= 2
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    gone, alive = psutil.wait_procs(tree[1:], timeout=30)
+    assert alive == []
+    from xtrain.core import rundir
+
+    status, result = rundir.shown_status(run_dir), read_result(run_dir)
+    assert status in ("interrupted", "lost") and rundir.complete_checkpoints(run_dir), (status, result)
+
+
+def test_a_sweep_summary_ranks_best_first_says_ties_and_shows_the_tasks_columns(project, tmp_path):
+    """Two points differ only in how often they log (the same training): a tie; the third trains worse. summary.md
+    and xtrain.status list them best first; a classifier's table has no language-model columns."""
+    sweep_dir = tmp_path / "sweep"
+    run_xtrain("-m", *WINE, f"run_dir={sweep_dir}", "trainer.max_steps=15", "trainer.eval_every=15",
+               "trainer.lr=1e-5,3e-3", "trainer.log_every=5,15", "trainer.monitor=val_loss", cwd=project)
+    points = [p["dir"] for p in json.loads((sweep_dir / "sweep.json").read_text())["points"]]
+    fast = [p for p in points if "lr=0.003" in p]
+    assert len(fast) == 2 and read_result(sweep_dir / fast[0])["val_loss"] == read_result(sweep_dir / fast[1])["val_loss"]
+    text = (sweep_dir / "summary.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    order = [line.split(" | ")[0].removeprefix("| ").replace(" (best)", "").strip("*") for line in table[1:]]
+    assert order[:2] == fast and set(order[2:]) == set(points) - set(fast)
+    assert f"tied with {fast[1]}" in text
+    assert "tokens_per_s" not in table[0] and "val_ppl" not in table[0] and "batch_tokens" not in table[0]
+    from xtrain.commands import status
+
+    lines = status.sweep_status(sweep_dir).splitlines()
+    assert lines[1].startswith(fast[0]) and lines[2].startswith(fast[1]) and f"tied with {fast[1]}" in lines[-2]
+
+
+def test_the_log_says_where_a_run_stands_and_what_it_saved(project, tmp_path):
+    proc = run_xtrain(*WINE, f"run_dir={tmp_path / 'run'}", "trainer.log_every=30", "trainer.save_every=30",
+                      cwd=project)
+    text = proc.stdout + proc.stderr
+    assert "| 30/60 steps, eta " in text and "| 60/60 steps, eta 0s" in text
+    assert f"step 30 | checkpoint saved: {tmp_path / 'run' / 'checkpoints' / 'step_00000030'}" in text
+    assert "step 60 | exporting model/" in text
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["trainer.warmup_steps=100"], "trainer.warmup_steps=100: more than trainer.max_steps=60"),
+    (["+trainer.optimizer.momentum=0.9"], "trainer.optimizer.momentum: an argument, but trainer.optimizer._target_ is "
+                                          "not set"),
+    (["trainer.optimizer._target_=torch.optim.SGD", "strategy=zero2", "strategy.offload_optimizer=cpu"],
+     "trainer.optimizer._target_=torch.optim.SGD: with strategy.offload_optimizer=cpu DeepSpeed steps on the host"),
+    (["trainer.scheduler._target_=torch.optim.lr_scheduler.Nope"],
+     "trainer.scheduler._target_=torch.optim.lr_scheduler.Nope: module torch.optim.lr_scheduler has no Nope"),
+    (["trainer.callbacks=[{_target_: extra.smoothed_ce}]"],
+     "trainer.callbacks[0]._target_=extra.smoothed_ce: calling it failed"),
+    (["data.collate_fn._target_=extra.nope"], "data.collate_fn._target_=extra.nope: module extra has no nope"),
+    (["data.test._target_=extra.nope"], "data.test._target_=extra.nope: module extra has no nope"),
+])
+def test_a_bad_piece_of_your_own_loop_is_one_line_and_writes_nothing(project, tmp_path, overrides, expected):
+    run_dir = tmp_path / "run"
+    assert_one_line_error(run_xtrain(*WINE, f"run_dir={run_dir}", *overrides, check=False, cwd=project), expected)
+    assert not run_dir.exists()
+
+
+def test_mistakes_outside_the_run_config_are_one_line(project, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "empty.jsonl").write_text("")
+    cases = [
+        ([f"run_dir={tmp_path / 'a_file'}"], f"run_dir={tmp_path / 'a_file'}: a file, not a directory"),
+        (["-m", f"run_dir={tmp_path / 's'}", "hydra/sweeper=xtrain_optuna", "trainer.lr=intervl(1e-4,1e-2)"],
+         "trainer.lr=intervl(1e-4,1e-2): no function intervl in Hydra's sweep grammar; did you mean interval?"),
+        (["-m", f"run_dir={tmp_path / 's'}", "hydra/sweeper=xtrain_optuna", "hydra.sweeper.objective=val_los",
+          "trainer.lr=interval(1e-4,1e-2)"], "hydra.sweeper.objective=val_los: the task does not compute it"),
+        ([f"run_dir={tmp_path / 'r'}", "model._target_=nets.mlp"],
+         "model._target_=nets.mlp: a model and datasets by _target_ are trained by task=custom; add task=custom"),
+        ([f"run_dir={tmp_path / 'r'}", "data=text", f"data.files=[{tmp_path / 'empty.jsonl'}]"],
+         f"data.files: {tmp_path / 'empty.jsonl'} is empty (no records); remove it or fill it"),
+    ]
+    for args, expected in cases:
+        assert_one_line_error(run_xtrain(*args, check=False, cwd=project), expected)
+    proc = subprocess.run([sys.executable, "-m", "xtrain.status", str(tmp_path / "missing")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"xtrain.status: error: {tmp_path / 'missing'}: no such directory"
+
+
+def test_zero_partitions_your_own_optimizer():
+    from conftest import compose_run
+    from xtrain.distributed import plugins
+
+    cfg = compose_run("strategy=zero2", "trainer.optimizer._target_=torch.optim.SGD")
+    assert plugins.deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64))["zero_allow_untested_optimizer"] is True
+    assert "zero_allow_untested_optimizer" not in plugins.deepspeed_config(compose_run("strategy=zero2"),
+                                                                           plugins.ModelFacts(hidden_size=64))
+
+
+def test_a_language_models_predictions_are_its_answers_to_prompts(short_run, tmp_path):
+    prompts, answers = tmp_path / "prompts.txt", tmp_path / "answers.jsonl"
+    prompts.write_text("The function\nA list is\n")
+    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(short_run), f"prompts={prompts}",
+                           f"predictions={answers}"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == f"answered 2 prompt(s): {answers}"
+    rows = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert [(r["index"], r["prompt"]) for r in rows] == [(0, "The function"), (1, "A list is")]
+    assert all(isinstance(r["answer"], str) for r in rows)

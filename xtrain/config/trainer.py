@@ -1,0 +1,105 @@
+"""The `trainer` settings: the batch, the optimizer and its schedule, evals, checkpoints, the model kept, callbacks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from xtrain.config.task import Direction, Export, check_target_node, given, unset
+from xtrain.core.errors import ConfigError, non_negative, positive
+
+
+@dataclass
+class TrainerConfig:
+    batch_size: int = 16
+    """Per-device micro batch, in sequences."""
+    grad_accum: int = 1
+    """Micro batches per optimizer step."""
+    max_steps: int = 300
+    """Optimizer steps."""
+    lr: float = 2e-3
+    """Peak learning rate (AdamW), reached after warmup_steps, then cosine decay to min_lr_ratio x lr."""
+    warmup_steps: Optional[int] = None
+    """Optimizer steps of linear warmup from 0 to lr; default: a tenth of max_steps (30 of the default 300), recorded
+    in run.yaml as a number."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio."""
+    weight_decay: float = 0.1
+    """AdamW's decoupled weight decay (not on biases and norms)."""
+    max_grad_norm: float = 1.0
+    """0 disables clipping."""
+    eval_every: int = 100
+    """Evaluate every this many optimizer steps (and at step 0 and the end)."""
+    save_every: int = 100
+    """Write a checkpoint every this many optimizer steps (and at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run dir: the newest this many."""
+    log_every: int = 10
+    """Log a train row (metrics.jsonl, trackers, a log line) every this many optimizer steps."""
+    seed: int = 0
+    """Seeds the model's init, the data order and every rank's RNGs."""
+    fused_optimizer: bool = False
+    """AdamW as one fused kernel over all parameters (torch's `fused=True`): faster on GPUs, equal to the
+    default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
+    sample_prompts: List[str] = field(default_factory=list)
+    """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
+    has one): logged, written to metrics.jsonl (`sample/<i>`) and sent to the trackers."""
+    sample_max_tokens: int = 48
+    """New tokens per answer to `sample_prompts` (greedy)."""
+    compile: bool = False
+    """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
+    start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
+    monitor: str = "val_loss"
+    """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
+    `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
+    sweep's points."""
+    monitor_direction: Direction = Direction.auto
+    """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics, torchmetrics'
+    `higher_is_better` and a `task.metrics` entry's `direction` (a function metric without one needs `maximize` or
+    `minimize` here)."""
+    export: Export = Export.last
+    """What `model/` holds: the `last` model, or the `best` one by `monitor` (exported at each eval that improves
+    it; result.json's `model_step` says which, `model_eval` what it scored). Sweeps and studies rank a run by what
+    the model it kept scored."""
+    early_stop_patience: int = 0
+    """Stop when this many evals in a row have not improved `monitor` (by more than `early_stop_min_delta`): at that
+    step boundary, with its checkpoint and `model/`; the run is `completed` and `early_stop` records why. 0: never."""
+    early_stop_min_delta: float = 0.0
+    """How much `monitor` must improve on its best for an eval to count as an improvement."""
+    optimizer: Dict[str, Any] = field(default_factory=unset)
+    """An optimizer of your own: `trainer.optimizer._target_=torch.optim.SGD` (its arguments:
+    `+trainer.optimizer.momentum=0.9`); it gets the parameters (weight decay on matrices only, `trainer.weight_decay`,
+    unless it is given its own `weight_decay`) and `trainer.lr` (unless given its own `lr`). Unset: AdamW."""
+    scheduler: Dict[str, Any] = field(default_factory=unset)
+    """A learning-rate schedule of your own: `trainer.scheduler._target_=torch.optim.lr_scheduler.OneCycleLR` (its
+    arguments: `+trainer.scheduler.max_lr=0.1`), stepped once per optimizer step; it gets the optimizer, and
+    `trainer.max_steps` as `total_steps`, `num_training_steps` or `T_max` where it takes one. Unset: linear warmup
+    over `warmup_steps`, then cosine decay to `min_lr_ratio` x `lr`."""
+    callbacks: List[Any] = field(default_factory=list)
+    """Objects by `_target_` whose hooks the loop calls, named as in Lightning: `on_train_start`,
+    `on_train_batch_end`, `on_validation_end`, `on_save_checkpoint`, `on_train_end` (xtrain/engine/callbacks.py); on
+    the main process unless the callback sets `every_rank = True`."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",
+                     "sample_max_tokens"):
+            positive(f"trainer.{name}", getattr(self, name))
+        if self.warmup_steps is None:
+            self.warmup_steps = self.max_steps // 10 if self.max_steps > 0 else 0
+        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+            non_negative(f"trainer.{name}", getattr(self, name))
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"trainer.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (resume needs one)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        non_negative("trainer.early_stop_patience", self.early_stop_patience)
+        non_negative("trainer.early_stop_min_delta", self.early_stop_min_delta)
+        check_target_node("trainer.optimizer", self.optimizer)
+        check_target_node("trainer.scheduler", self.scheduler)
+        for i, node in enumerate(self.callbacks):
+            if not given(node):
+                raise ConfigError(f"trainer.callbacks[{i}]={node}: give {{_target_: mymodule.MyCallback}}")
+        if self.warmup_steps > self.max_steps and not given(self.scheduler):
+            raise ConfigError(f"trainer.warmup_steps={self.warmup_steps}: more than trainer.max_steps={self.max_steps}, "
+                              f"so the run would never reach trainer.lr; use trainer.warmup_steps<={self.max_steps}, "
+                              "or leave it unset (a tenth of max_steps)")

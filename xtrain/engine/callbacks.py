@@ -1,0 +1,111 @@
+"""`trainer.callbacks`: objects of the user's, by `_target_`, whose hooks the loop calls. The hooks are named as
+Lightning's, and each gets the run's `State` (what a hook may read, and `request_stop`):
+
+| hook | when |
+| --- | --- |
+| `on_train_start(state)` | after the model, data and optimizer are built (and restored), before the first eval |
+| `on_train_batch_end(state, loss)` | after each optimizer step, with the step's loss (every rank's mean) |
+| `on_validation_end(state, metrics)` | after each eval, with its values (`{"val_loss": ..., "val_<metric>": ...}`) |
+| `on_save_checkpoint(state, path)` | after each checkpoint is saved, with its directory |
+| `on_train_end(state)` | when training ends: completed, or stopped early |
+
+A hook runs on the main process, or on every rank where the callback sets `every_rank = True`. `state.request_stop`
+ends the run at this step boundary: every rank agrees (the main process's request), saves the step's checkpoint and
+exports the model, and the run is `completed` with `callback_stop` in result.json. An exception in a hook ends the run
+`failed`, in one line that names the callback and the hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from xtrain.config.schema import RunConfig
+from xtrain.core.errors import CallbackFailed, ConfigError
+
+log = logging.getLogger("xtrain")
+
+HOOKS = ("on_train_start", "on_train_batch_end", "on_validation_end", "on_save_checkpoint", "on_train_end")
+CALLBACK_STOP = "a callback"  # the `signal` of a run's stop record when a callback asked for it
+
+
+@dataclass
+class State:
+    """What a hook sees of the run."""
+
+    run_dir: Path
+    max_steps: int
+    world_size: int
+    is_main_process: bool
+    model: torch.nn.Module  # the model being trained (unwrapped: as the user built it)
+    step: int = 0
+    result: dict = field(default_factory=dict)  # result.json as it stands (val_<name>, best_val_<name>, ...)
+    stop_reason: str | None = None
+
+    def request_stop(self, reason: str = "") -> None:
+        """End the run at this step boundary (with a checkpoint and the export), as an early stop does."""
+        self.stop_reason = reason or "asked"
+
+
+def build(cfg: RunConfig, main: bool) -> list[tuple[str, object]]:
+    """The callbacks this rank runs: (how an error names it, the object)."""
+    from xtrain.tasks.custom import call, importable
+
+    importable(cfg.task.code_dir)
+    built = []
+    for i, node in enumerate(cfg.trainer.callbacks):
+        callback = call(f"trainer.callbacks[{i}]", dict(node))
+        if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
+            raise _no_hooks(i, node)
+        if main or getattr(callback, "every_rank", False):
+            built.append((f"trainer.callbacks[{i}] ({node['_target_']})", callback))
+    return built
+
+
+def _no_hooks(i: int, node: dict) -> ConfigError:
+    return ConfigError(f"trainer.callbacks[{i}]._target_={node['_target_']}: has none of the hooks "
+                       f"{', '.join(HOOKS)}")
+
+
+def check(cfg: RunConfig) -> None:
+    """On the driver, before anything launches: every callback imports, builds and has a hook."""
+    build(cfg, main=True)
+
+
+class Callbacks:
+    def __init__(self, cfg: RunConfig, accelerator, model, run_dir: Path):
+        self.items = build(cfg, accelerator.is_main_process)
+        self.any = bool(cfg.trainer.callbacks)  # on some rank: the stop is agreed on every rank
+        self.accelerator = accelerator
+        self.state = State(run_dir, cfg.trainer.max_steps, accelerator.num_processes, accelerator.is_main_process,
+                           accelerator.unwrap_model(model))
+
+    def call(self, hook: str, step: int, result: dict | None, *args) -> None:
+        self.state.step = step
+        if result is not None:
+            self.state.result = result
+        for name, callback in self.items:
+            function = getattr(callback, hook, None)
+            if function is None:
+                continue
+            try:
+                function(self.state, *args)
+            except Exception as err:
+                text = " ".join(str(err).split())[:300]
+                raise CallbackFailed(f"{name}.{hook} raised {type(err).__name__}: {text}") from err
+
+    def stop_asked(self) -> str | None:
+        """The main process's callbacks' stop request, the same on every rank (a broadcast where there are callbacks
+        and several ranks)."""
+        if not self.any:
+            return None
+        asked = self.state.stop_reason
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast
+
+            flag = broadcast(torch.tensor([float(asked is not None)], device=self.accelerator.device), from_process=0)
+            asked = (asked or "asked on the main process") if flag.item() else None
+        return asked
