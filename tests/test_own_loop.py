@@ -215,7 +215,8 @@ def test_a_failing_callback_is_one_line_and_a_failed_run(project, tmp_path):
     assert read_result(run_dir)["status"] == "failed"
 
 
-@pytest.mark.parametrize("spelling", ["task.loss._target_=extra.smoothed_ce", "++task.loss._target_=extra.smoothed_ce",
+@pytest.mark.parametrize("spelling", ["task.loss._target_=extra.smoothed_ce", "+task.loss._target_=extra.smoothed_ce",
+                                      "++task.loss._target_=extra.smoothed_ce",
                                       "task.loss={_target_: extra.smoothed_ce}"])
 def test_a_loss_and_a_collate_of_your_own_from_the_command_line(project, tmp_path, spelling):
     run_dir = tmp_path / "run"

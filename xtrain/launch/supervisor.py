@@ -137,7 +137,7 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
         proc = subprocess.Popen(
             torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
-            preexec_fn=_stopping_child if step_boundary else stopping.end_with_parent,
+            preexec_fn=_stopping_child if step_boundary else _ending_child,
         )
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
@@ -191,9 +191,15 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
 
 def _stopping_child() -> None:
     """torchrun's preexec_fn for training workers: it ignores the stop signals (stopping.ignore_in_child), and it
-    ends (and ends its workers) when the driver does, however the driver ended."""
+    ends when the driver does, however the driver ended (`_ending_child`)."""
     stopping.ignore_in_child()
-    stopping.end_with_parent()
+    _ending_child()
+
+
+def _ending_child() -> None:
+    """torchrun ends when the driver does: SIGKILL, not its own shutdown on SIGTERM, which can hang with its workers
+    gone (seen: its main thread waiting on a lock forever). Each worker then gets SIGTERM as its parent ends."""
+    stopping.end_with_parent(signal.SIGKILL)
 
 
 def _tell_workers(proc: subprocess.Popen, told: set[int]) -> None:
