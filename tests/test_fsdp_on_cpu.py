@@ -244,3 +244,9 @@ def test_the_meta_build_replays_the_eager_builds_weights_bitwise(arch):
     built = {**dict(lazy.named_parameters(remove_duplicate=False)), **dict(lazy.named_buffers())}
     for name, want in eager.state_dict().items():
         assert torch.equal(recorder.value(built[name]) if built[name].is_meta else built[name], want), name
+    # materialized on a device (a GPU's path, here the CPU): the eager build's tensors, tied as it ties them
+    placed = meta_init.materialize(lazy, torch.device("cpu"))
+    assert not meta_init.is_lazy(placed) and placed.state_dict().keys() == eager.state_dict().keys()
+    for name, want in eager.state_dict().items():
+        assert torch.equal(placed.state_dict()[name], want), name
+    assert placed.get_output_embeddings().weight is placed.get_input_embeddings().weight

@@ -10,8 +10,8 @@ from xtrain.launch import hardware
 def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
     """Every `auto` of a composed config made concrete, as run.yaml records it: the backend's, then
     `num_processes` (one per GPU of a node; of a `parallel`th of this machine's GPUs for a sweep's points
-    run that many at a time)."""
-    return hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg), parallel)
+    run that many at a time), `trainer.fused_optimizer`."""
+    return hardware.resolve_fused(hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg), parallel))
 
 
 def backend_for(kind: ClusterKind):

@@ -241,10 +241,10 @@ class RunConfig:
             raise ConfigError(f"trainer.optimizer._target_={users}: with strategy.offload_optimizer={offload.value} "
                               "DeepSpeed steps on the host with its own DeepSpeedCPUAdam; use "
                               "strategy.offload_optimizer=none, or leave trainer.optimizer unset")
-        if users and self.trainer.fused_optimizer:
+        if users and self.trainer.fused_optimizer is True:
             raise ConfigError(f"trainer.fused_optimizer=true: fuses xtrain's AdamW; trainer.optimizer._target_={users} "
                               "is yours: give it its own fused setting (+trainer.optimizer.fused=true) instead")
-        if self.trainer.fused_optimizer and offload is not Offload.none:
+        if self.trainer.fused_optimizer is True and offload is not Offload.none:
             raise ConfigError(
                 f"trainer.fused_optimizer=true: with strategy.offload_optimizer={offload.value} DeepSpeed steps on the "
                 "host with its own DeepSpeedCPUAdam; use trainer.fused_optimizer=false"

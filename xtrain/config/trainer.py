@@ -38,9 +38,11 @@ class TrainerConfig:
     """Log a train row (metrics.jsonl, trackers, a log line) every this many optimizer steps."""
     seed: int = 0
     """Seeds the model's init, the data order and every rank's RNGs."""
-    fused_optimizer: bool = False
-    """AdamW as one fused kernel over all parameters (torch's `fused=True`): faster on GPUs, equal to the
-    default (foreach) update up to rounding. Not under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
+    fused_optimizer: Any = "auto"
+    """AdamW as one fused kernel over all parameters (torch's `fused=True`), equal to the foreach update up to
+    rounding: `auto` (run.yaml records what it became) fuses where the run trains on GPUs with DDP or FSDP (not
+    under ZeRO, whose engine steps the optimizer, nor on CPUs, where it does not pay); `true` or `false` to choose.
+    Not with a `trainer.optimizer` of your own, nor under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
     sample_prompts: List[str] = field(default_factory=list)
     """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
     has one): logged, written to metrics.jsonl (`sample/<i>`) and sent to the trackers."""
@@ -94,6 +96,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         non_negative("trainer.early_stop_patience", self.early_stop_patience)
         non_negative("trainer.early_stop_min_delta", self.early_stop_min_delta)
+        if self.fused_optimizer not in (True, False, "auto"):
+            raise ConfigError(f"trainer.fused_optimizer={self.fused_optimizer}: choose auto, true or false")
         check_target_node("trainer.optimizer", self.optimizer)
         check_target_node("trainer.scheduler", self.scheduler)
         for i, node in enumerate(self.callbacks):

@@ -1,12 +1,13 @@
-"""A config-built model for FSDP2 that never exists whole on a rank, yet starts from the very weights the eager
-build (`from_config` on the CPU) gives for the same seed.
+"""A config-built model for FSDP2 that never exists whole on a rank, or one built straight on its GPU, yet either
+starts from the very weights the eager build (`from_config` on the CPU) gives for the same seed.
 
 `build` runs the model's own constructor and initialization with every large tensor on the meta device: each
 in-place write to one (an init's `normal_`, `zero_`) is recorded, and a random one also notes the generator's
 state and draws the same numbers into a scratch tensor, so the global generator ends where the eager build
 leaves it. `shard` then applies FSDP2 on the meta model (Accelerate's own wrapping), gives every rank storage
 for its shards only, and fills each shard from its parameter's replayed writes: one full parameter exists at
-a time. Small tensors (norms, biases, buffers such as RoPE's frequencies) are made and initialized as usual.
+a time. `materialize` instead gives the whole model storage on one device (a GPU: DDP) and fills it the same
+way. Small tensors (norms, biases, buffers such as RoPE's frequencies) are made and initialized as usual.
 """
 
 from __future__ import annotations
@@ -151,6 +152,25 @@ def shard(accelerator, model):
                 _local(t).copy_(_own_part(recorder.value(originals[name.replace(_CHECKPOINT_PREFIX, "")]), t))
             else:
                 raise RuntimeError(f"meta_init: {name} has no recorded value")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def materialize(model, device: torch.device):
+    """The meta-built model on `device` (a GPU), each large tensor filled there from its replayed writes through
+    one host buffer: the eager build's weights, without the whole model ever on the host."""
+    recorder = _built.pop(model)
+
+    def every():  # (tied weights under each of their names: to_empty unties them, `tie_weights` ties them again)
+        return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+
+    originals = {name: t for name, t in every() if t.is_meta}
+    kept = {name: t.detach().clone() for name, t in every() if not t.is_meta}
+    model.to_empty(device=device)  # storage there for every tensor; what was already real is put back below
+    with torch.no_grad():
+        for name, t in every():
+            t.copy_(kept[name] if name in kept else recorder.value(originals[name]))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model

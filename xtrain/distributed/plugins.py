@@ -35,10 +35,16 @@ class ModelFacts:
 
 
 def builds_on_meta(cfg: RunConfig) -> bool:
-    """FSDP2 of a model built from config: built on meta and each rank's shards filled (meta_init), never whole.
-    (cpu_ram_efficient_loading is for pretrained weights: rank 0 loads them and broadcasts them.)"""
+    """A model built from config, built on meta (meta_init): under FSDP2 each rank's shards filled, never whole;
+    under DDP on a GPU made there directly, not on the host and then moved. (cpu_ram_efficient_loading is for
+    pretrained weights: rank 0 loads them and broadcasts them.)"""
+    import torch
+
     s = cfg.strategy
-    return (s.name is Strategy.fsdp and s.fsdp_version == 2 and getattr(cfg.model, "source", None) is ModelSource.config)
+    if getattr(cfg.model, "source", None) is not ModelSource.config:
+        return False
+    on_gpu = s.name is Strategy.ddp and torch.cuda.is_available() and not cfg.model.lora.enabled
+    return on_gpu or s.name is Strategy.fsdp and s.fsdp_version == 2
 
 
 def is_zero(strategy: StrategyConfig) -> bool:

@@ -33,7 +33,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)
-    return torch.optim.AdamW(groups, **hyper, fused=cfg.trainer.fused_optimizer or None)
+    return torch.optim.AdamW(groups, **hyper, fused=cfg.trainer.fused_optimizer is True or None)
 
 
 def users_optimizer(node: dict, groups: list, params: list, trainer: TrainerConfig) -> torch.optim.Optimizer:

@@ -14,7 +14,8 @@ import socket
 from dataclasses import replace
 
 from xtrain.config.cluster import ClusterConfig, ClusterKind
-from xtrain.config.schema import BaseQuantization, Fp8Backend, Precision, RunConfig, Strategy
+from xtrain.config.schema import BaseQuantization, Fp8Backend, Offload, Precision, RunConfig, Strategy
+from xtrain.config.task import given
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.distributed.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
@@ -44,6 +45,17 @@ def resolve_processes(cfg: RunConfig, parallel: int = 1) -> RunConfig:
         return cfg
     cluster = replace(cfg.cluster, num_processes=str(max(1, node_gpus(cfg) // max(1, parallel))))
     return replace(cfg, cluster=cluster)
+
+
+def resolve_fused(cfg: RunConfig) -> RunConfig:
+    """`trainer.fused_optimizer=auto` → true where xtrain's AdamW steps on GPUs (DDP; FSDP without CPU offload),
+    else false (ZeRO's engine steps it; a user's optimizer has its own setting; on CPUs it does not pay)."""
+    t = cfg.trainer
+    if t.fused_optimizer != "auto":
+        return cfg
+    fused = (node_gpus(cfg) > 0 and given(t.optimizer) is None and cfg.strategy.offload_optimizer is Offload.none
+             and (cfg.strategy.name is Strategy.ddp or cfg.strategy.name is Strategy.fsdp and not cfg.strategy.cpu_offload))
+    return replace(cfg, trainer=replace(t, fused_optimizer=fused))
 
 
 def refusal(cfg: RunConfig) -> str | None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from xtrain.config.schema import DataConfig, ModelConfig, RunConfig, Strategy, TargetModel, TaskKind
-from xtrain.config.task import block_tokens
+from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, Strategy, TargetModel, TaskKind
+from xtrain.config.task import block_tokens, given
 from xtrain.distributed import plugins
 from xtrain.distributed.estimate import GB, Memory, first_fit, model_state_memory
 from xtrain.tasks.facts import model_facts
@@ -59,7 +59,7 @@ def render(plan: Plan) -> str:
         f"  model        {_model_name(cfg.model)}: {plan.n_params:,} parameters (counted on the meta device)"
         + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
-        f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}",
+        f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}, optimizer {optimizer(cfg)}",
         f"  memory       per device, model states only: weights {size(m.params)} + gradients "
         f"{size(m.grads)} + optimizer {size(m.optimizer)} = {size(m.total)}",
         "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
@@ -84,6 +84,15 @@ def render(plan: Plan) -> str:
         body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
         lines.append(f"  {title}:\n  {body}")
     return "\n".join(lines)
+
+
+def optimizer(cfg: RunConfig) -> str:
+    """`AdamW (fused)`, `AdamW (foreach)`, `DeepSpeedCPUAdam`, or the user's `_target_`."""
+    if given(cfg.trainer.optimizer):
+        return cfg.trainer.optimizer["_target_"]
+    if cfg.strategy.offload_optimizer is not Offload.none:
+        return "DeepSpeedCPUAdam (on the host)"
+    return f"AdamW ({'fused' if cfg.trainer.fused_optimizer is True else 'foreach'})"
 
 
 def batch_unit(cfg: RunConfig, effective: int) -> str:

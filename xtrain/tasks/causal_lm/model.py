@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from xtrain.config.schema import BaseQuantization, ModelArch, ModelConfig, ModelSource
 from xtrain.core.errors import ConfigError
 from xtrain.distributed import meta_init
 from xtrain.tasks.pretrained import cannot_load, pretrained_config
+
+log = logging.getLogger("xtrain")
 
 
 def transformers_config(model: ModelConfig, vocab_size: int, block_size: int, eos_token_id: int):
@@ -36,7 +39,12 @@ def build(model: ModelConfig, tokenizer, block_size: int, shard_later: bool = Fa
     config): its large tensors on meta, for meta_init.shard to fill each rank's shards."""
     from transformers import AutoModelForCausalLM
 
-    hf_config = transformers_config(model, len(tokenizer), block_size, tokenizer.eos_token_id)
+    vocab = len(tokenizer)
+    if model.source is ModelSource.config and vocab < model.vocab_size:  # the asked vocabulary; some ids unused
+        log.info("data: the corpus filled %d of the tokenizer's model.vocab_size=%d tokens; the model keeps %d "
+                 "(ids %d-%d are never seen)", vocab, model.vocab_size, model.vocab_size, vocab, model.vocab_size - 1)
+        vocab = model.vocab_size
+    hf_config = transformers_config(model, vocab, block_size, tokenizer.eos_token_id)
     if model.source is ModelSource.pretrained:
         max_positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
         if max_positions and block_size > max_positions:
