@@ -38,6 +38,19 @@ def test_compiled_ddp_trains_eagers_losses_under_eagers_names(compiled, ddp_two_
     assert model.num_parameters() == result["model_parameters"]
 
 
+def test_the_steady_rate_leaves_out_the_first_window_where_blocks_compile(compiled):
+    """result.json's rate is the logged windows after the first (their tokens over their time); the first, where
+    the blocks compile, is far slower; the whole run's rate (start-up, compile and evals in) is beside it."""
+    result = read_result(compiled)
+    rows = [r for r in read_metrics(compiled) if "train/tokens_per_s" in r]
+    seen = [0] + [r["train/tokens_seen"] for r in rows]
+    counts = [b - a for a, b in zip(seen, seen[1:])]
+    seconds = [n / r["train/tokens_per_s"] for n, r in zip(counts, rows)]
+    assert len(rows) == 10 and result["tokens_per_s"] == pytest.approx(sum(counts[1:]) / sum(seconds[1:]), rel=1e-6)
+    assert rows[0]["train/tokens_per_s"] < 0.5 * result["tokens_per_s"]
+    assert result["tokens_per_s_whole_run"] < 0.5 * result["tokens_per_s"]
+
+
 def test_a_compiled_run_resumes_exactly(tmp_path, compiled):
     resumed = tmp_path / "run"
     run_xtrain(f"run_dir={resumed}", "strategy=ddp", *SHARDED, "trainer.compile=true", f"resume={compiled / STEP_10}")

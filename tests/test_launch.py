@@ -42,7 +42,7 @@ def test_two_processes_follow_one_process_with_twice_the_batch(tmp_path, one_pro
     run_dir = tmp_path / "run"
     proc = run_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN)
     result, single = read_result(run_dir), read_result(one_process_batch_16)
-    assert result["world_size"] == 2 and "MULTI_CPU" in proc.stdout  # real DDP over gloo, not 2 lone trainings
+    assert result["world_size"] == 2 and "2 processes (DDP)" in proc.stdout and result["backend"] == "gloo"  # real DDP, not 2 lone trainings
     assert "2 x" not in proc.stdout.split("launching")[0]
     assert train_losses(run_dir) == pytest.approx(train_losses(one_process_batch_16), rel=1e-4)
     assert result["val_loss"] == pytest.approx(single["val_loss"], rel=1e-4)

@@ -36,6 +36,7 @@ from xtrain.engine.accelerator import build_accelerator, check_setup, library_no
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
 from xtrain.engine.monitor import EARLY_STOP, Monitor
 from xtrain.engine.optim import build_optimizer, build_scheduler, set_hyperparameters
+from xtrain.engine.speed import Speed, measure_speed
 from xtrain.engine.update import agree_on_step, optimizer_step
 from xtrain.tasks.base import Task
 from xtrain.tasks.facts import model_facts, stored_numel
@@ -68,6 +69,7 @@ class Components:
     test_loader: DataLoader | None = None  # where the run has a test split
     pruning: pruning.Pruning | None = None  # where the run is a study's trial
     callbacks: Callbacks | None = None  # trainer.callbacks
+    speed: Speed = field(default_factory=Speed)  # the steady rate's windows, MFU's FLOPs and peak
 
 
 @dataclass
@@ -91,7 +93,8 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
     built = task.build(accelerator)
     model, train_set, val_set = built.model, built.train_set, built.val_set
     if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
-        model = meta_init.shard(accelerator, model)
+        fsdp = cfg.strategy.name is Strategy.fsdp
+        model = meta_init.shard(accelerator, model) if fsdp else meta_init.materialize(model, accelerator.device)
     if cfg.trainer.compile and cfg.strategy.name is Strategy.ddp:  # (the others compile in `prepare`)
         compiling.compile_blocks(model)
     model.train()
@@ -209,6 +212,7 @@ def _train(run_dir: Path) -> dict:
             result["changed_from_checkpoint"] = changed
         rundir.update_result(run_dir, result, fresh=True)  # this attempt's record, from the start
 
+    c.speed = measure_speed(cfg, accelerator, c, c.n_params)
     train_start, seen_at_start = time.time(), progress.seen
     c.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
     c.callbacks.call("on_train_start", start_step, result)
@@ -248,18 +252,17 @@ def _train(run_dir: Path) -> dict:
     accelerator.end_training()  # destroys the process group: no collective after it
     if accelerator.num_processes > 1:
         _HELD_UNTIL_EXIT.append((accelerator, c))
-    return finish(cfg.trainer, accelerator, result, stop, run_dir, (progress.seen - seen_at_start) / wall,
-                  c.task.throughput_unit, process_start, wall)
+    c.speed.record(result, c.task.throughput_unit, progress.seen - seen_at_start, time.time() - process_start)
+    return finish(cfg.trainer, accelerator, result, stop, run_dir, c.task.throughput_unit, process_start, wall)
 
 
 def finish(trainer: TrainerConfig, accelerator: Accelerator, result: dict, stop: dict | None, run_dir: Path,
-           per_s: float, c_unit: str, process_start: float, wall: float) -> dict:
+           c_unit: str, process_start: float, wall: float) -> dict:
     """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
     pruned = stop is not None and stop["signal"] == pruning.PRUNER
     early = stop is not None and stop["signal"] in (EARLY_STOP, CALLBACK_STOP)
     result.update(
         status=Status.completed if stop is None or early else Status.pruned if pruned else Status.interrupted,
-        **{f"{c_unit}_per_s": per_s},
         wall_time_s=round(time.time() - process_start, 3),
         train_time_s=round(wall, 3),
     )
@@ -275,8 +278,8 @@ def finish(trainer: TrainerConfig, accelerator: Accelerator, result: dict, stop:
     if accelerator.is_main_process:
         rundir.update_result(run_dir, result)
         if stop is None or early:
-            log.info("done: %d steps | %s | %s %s/s | %s", result["steps"], reporting.eval_text(result, final=True),
-                     reporting.rate(per_s), c_unit, run_dir)
+            log.info("done: %d steps | %s | %s | %s", result["steps"], reporting.eval_text(result, final=True),
+                     reporting.speed_text(result, c_unit), run_dir)
     return result
 
 
@@ -326,8 +329,9 @@ def periodic(accelerator: Accelerator, cfg: RunConfig, c: Components, p: Progres
     t, step = cfg.trainer, p.step
     last = step == t.max_steps
     if step % t.log_every == 0 or last:
+        c.speed.add(p.window.count, p.window.train_s)
         result["train_loss"] = reporting.log_train(accelerator, p.window, step, t.max_steps, p.seen, p.skipped,
-                                                   c.task.throughput_unit)
+                                                   c.task.throughput_unit, c.speed)
         bar.set_postfix(loss=f"{result['train_loss']:.3f}", refresh=False)
         p.window = reporting.Window()
     if step % t.eval_every == 0 or last:

@@ -38,22 +38,36 @@ class Window:
     began: float = field(default_factory=time.perf_counter)  # (the wall clock: evals and saves included, for the ETA)
 
 
-def log_train(accelerator, window: Window, step: int, max_steps: int, seen: int, skipped: int, unit: str) -> float:
-    """Log the window's mean train loss (over every rank), the rate its last step used, its throughput, the steps
-    done and the time left at the window's pace (its evals and saves included); returns the loss."""
+def log_train(accelerator, window: Window, step: int, max_steps: int, seen: int, skipped: int, unit: str,
+              speed) -> float:
+    """Log the window's mean train loss (over every rank), the rate its last step used, its throughput (and MFU
+    where known), the steps done and the time left at the window's pace (its evals and saves included); returns
+    the loss."""
     train_loss = window.loss_sum / window.steps
+    per_s = window.count / window.train_s if window.train_s > 0 else 0.0
     metrics = {
         "train/loss": train_loss,
         "train/lr": window.lr,
-        f"train/{unit}_per_s": window.count / window.train_s if window.train_s > 0 else 0.0,
+        f"train/{unit}_per_s": per_s,
         f"train/{unit}_seen": seen,
         "train/skipped_steps": skipped,  # optimizer steps the fp16 loss scaler skipped (overflow), so far
     }
+    mfu = speed.mfu(per_s)
+    if mfu is not None:
+        metrics["train/mfu"] = mfu
     accelerator.log(metrics, step=step)
     per_step = (time.perf_counter() - window.began) / max(1, window.steps)
-    log.info("step %d | loss %.4f | lr %.2e | %s %s/s | %d/%d steps, eta %s", step, train_loss, metrics["train/lr"],
-             rate(metrics[f"train/{unit}_per_s"]), unit, step, max_steps, duration((max_steps - step) * per_step))
+    log.info("step %d | loss %.4f | lr %.2e | %s %s/s%s | %d/%d steps, eta %s", step, train_loss, metrics["train/lr"],
+             rate(per_s), unit, "" if mfu is None else f" | mfu {mfu:.1%}", step, max_steps,
+             duration((max_steps - step) * per_step))
     return train_loss
+
+
+def speed_text(result: dict, unit: str) -> str:
+    """`14,231 tokens/s steady (9,876 over the whole run) | mfu 41.2%`."""
+    text = (f"{rate(result[f'{unit}_per_s'])} {unit}/s steady ({rate(result[f'{unit}_per_s_whole_run'])} over the "
+            "whole run)")
+    return text if result.get("mfu") is None else f"{text} | mfu {result['mfu']:.1%}"
 
 
 def duration(seconds: float) -> str:
@@ -81,14 +95,22 @@ def eval_text(values: dict, final: bool = False) -> str:
     return text + "".join(f" | val {name[4:]} {values[name]:.4f}" for name in names)
 
 
+def processes(world: int, strategy: str) -> str:
+    """`1 process`, `2 processes (DDP)`, `8 processes (FSDP)`, `1 process (ZeRO-3)`."""
+    if world == 1 and strategy == "ddp":
+        return "1 process"
+    name = {"ddp": "DDP", "fsdp": "FSDP"}.get(strategy, strategy.replace("zero", "ZeRO-"))
+    return f"{world} process{'es' if world > 1 else ''} ({name})"
+
+
 def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path | None,
                  start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
     """result.json as the loop starts (status `running`), and the run's header line."""
     t, world = cfg.trainer, accelerator.num_processes
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
     log.info(
-        "model %.2fM params%s | %d train / %d val %s | world %d | %s | effective batch %d %s",
-        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, world, accelerator.distributed_type.value,
+        "model %.2fM params%s | %d train / %d val %s | %s | effective batch %d %s",
+        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, processes(world, cfg.strategy.name.value),
         t.batch_size * t.grad_accum * world, c.task.batch_unit,
     )
     if resume_from is not None:
