@@ -248,7 +248,7 @@ def test_points_in_the_driver_release_their_memory(tmp_path):
     """Three points of a 26 M-parameter model: the driver peaks at about one point's memory, not three."""
     big = ["model.hidden_size=512", "model.num_layers=8", "model.num_heads=8", "model.intermediate_size=2048",
            "trainer.batch_size=2", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.save_every=2",
-           "data.block_size=64", "trainer.warmup_steps=1"]
+           "data.block_size=64", "data.max_val_tokens=256", "trainer.warmup_steps=1"]
     one = peak_rss_mb(f"run_dir={tmp_path / 'one'}", *big)
     peak_rss_mb("-m", f"run_dir={tmp_path / 'three'}", "trainer.seed=1,2,3", *big)
     # Each point resets the kernel's high-water mark as it starts (so the parent's ru_maxrss sees only the last
