@@ -30,7 +30,8 @@ task.name task.metrics task.loss task.code_dir task.num_labels task.problem task
 task.num_channels task.image_size task.augment
 strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
-strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading
+strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading strategy.dp_replicate strategy.tp
+strategy.cp
 precision.name precision.fp8_backend
 cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
 cluster.timeout_s cluster.gpu_memory_gb cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit

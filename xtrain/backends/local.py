@@ -43,7 +43,8 @@ def describe(cfg: RunConfig, script: bool = True) -> str:
     says), then the plan. Nothing is written or started."""
     preflight.check_free(cfg)
     preflight.preflight(cfg, planning=True)
-    return plan.render(plan.make(cfg, hardware.refusal(cfg), machine.local_gpu_gb()))
+    refusal = hardware.refusal(cfg) or preflight.launch_refusal(cfg)
+    return plan.render(plan.make(cfg, refusal, machine.local_gpu_gb()))
 
 
 def scripts(points: list[Point], sweep_dir: Path, **options) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Any, Optional
 
 from xtrain.core.errors import ConfigError
 
@@ -65,6 +65,14 @@ class StrategyConfig:
     """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
     cpu_ram_efficient_loading: bool = True
     """Pretrained weights are loaded on rank 0 only and broadcast."""
+    # The device mesh (FSDP2): dp_replicate x dp_shard x tp, dp_shard being what the world leaves -----------------
+    dp_replicate: Any = 1
+    """FSDP2: replicas of the sharded model (HSDP: shard within a replica, all-reduce across them); `auto`: one per
+    node."""
+    tp: int = 1
+    """FSDP2: tensor-parallel degree (the model's tensor-parallel plan), within a node."""
+    cp: int = 1
+    """Context parallelism: not supported (1)."""
 
     def __post_init__(self) -> None:
         zero = self.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3)
@@ -87,6 +95,7 @@ class StrategyConfig:
             for key in ("cpu_offload", "activation_checkpointing"):
                 if getattr(self, key):
                     raise ConfigError(f"strategy.{key}=true: only for strategy=fsdp")
+        self._check_mesh()
         if self.fsdp_version not in (1, 2):
             raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")
         if self.name is Strategy.fsdp and self.fsdp_version == 2 and self.sharding is not FsdpSharding.full_shard:
@@ -94,3 +103,26 @@ class StrategyConfig:
                 f"strategy.sharding={self.sharding.value}: FSDP2 shards fully (use strategy.reshard_after_forward=false "
                 "for shard_grad_op behaviour); other sharding strategies need strategy.fsdp_version=1"
             )
+
+    def _check_mesh(self) -> None:
+        if self.cp != 1:
+            raise ConfigError(f"strategy.cp={self.cp}: context parallelism is not supported; use strategy.cp=1 "
+                              "(shard long sequences' activations with strategy.tp or activation checkpointing)")
+        if self.dp_replicate != "auto" and (isinstance(self.dp_replicate, bool) or not isinstance(self.dp_replicate, int)
+                                            or self.dp_replicate < 1):
+            raise ConfigError(f"strategy.dp_replicate={self.dp_replicate}: must be a whole number >= 1 or auto "
+                              "(one replica per node)")
+        if self.tp < 1:
+            raise ConfigError(f"strategy.tp={self.tp}: must be a whole number >= 1")
+        for key in ("dp_replicate", "tp"):
+            value = getattr(self, key)
+            if value == 1:
+                continue
+            if self.name is not Strategy.fsdp:
+                what = "tensor parallelism" if key == "tp" else "replicas of a sharded model (HSDP)"
+                raise ConfigError(
+                    f"strategy.{key}={value}: {what} needs strategy=fsdp (FSDP2); {self.name.value} cannot compose "
+                    f"with it here; use strategy=fsdp strategy.{key}={value}"
+                )
+            if self.fsdp_version != 2:
+                raise ConfigError(f"strategy.{key}={value}: needs FSDP2; use strategy.fsdp_version=2")

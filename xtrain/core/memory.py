@@ -33,6 +33,16 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def parameter_bytes(model) -> int:
+    """The bytes of parameters this rank holds: its shards where they are sharded (FSDP's and TP's DTensors,
+    ZeRO-3's partitions)."""
+    total = 0
+    for p in model.parameters():
+        held = p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)
+        total += held.numel() * held.element_size()
+    return total
+
+
 def peaks(accelerator) -> dict[str, list[int]]:
     """Every rank's peaks, gathered (a collective): `peak_rss_bytes`, and on a GPU `peak_device_memory_bytes`
     (allocated: what the caching allocator handed out at most, tensors alone) and `peak_device_reserved_bytes`

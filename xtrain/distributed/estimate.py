@@ -13,22 +13,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xtrain.config.schema import FsdpSharding, Offload, Precision, RunConfig, Strategy
+from xtrain.config.schema import FsdpSharding, Offload, Precision, RunConfig, Strategy, TaskKind
+from xtrain.distributed import mesh
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper's figures
 
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per device for model states."""
+    """Bytes per device: model states, and activations where they are estimated (None: not for this model)."""
 
     params: float
     grads: float
     optimizer: float
+    activations: float | None = None
+
+    @property
+    def states(self) -> float:
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer
+        return self.states + (self.activations or 0.0)
 
 
 def bytes_per_param(precision: Precision) -> tuple[int, int, int]:
@@ -41,9 +47,12 @@ def bytes_per_param(precision: Precision) -> tuple[int, int, int]:
 QUANTIZED_BYTES = 0.5  # a 4-bit weight (QLoRA's base; its quantization constants, ~0.1 bit each, not counted)
 
 
-def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = None, quantized: int = 0) -> Memory:
+def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = None, quantized: int = 0,
+                       tp_split: int = 0) -> Memory:
     """Model-state bytes per device; with `trainable` (LoRA) only those parameters have gradients and
-    optimizer states, the rest weights alone; `quantized` of those weights in 4 bits (QLoRA)."""
+    optimizer states, the rest weights alone; `quantized` of those weights in 4 bits (QLoRA). Under a mesh FSDP2
+    shards over dp_shard (replicas hold a copy each) and `tp_split` of the parameters (those the tensor-parallel
+    plan splits) are split over tp first."""
     s = cfg.strategy
     n = cfg.cluster.world_size
     w, g, k = bytes_per_param(cfg.precision.name)
@@ -58,6 +67,10 @@ def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = No
     else:  # FSDP keeps fp32 weights and gradients, sharded over its sharding group
         sharding = s.sharding if s.fsdp_version == 1 else FsdpSharding.full_shard
         group = min(n, cfg.cluster.processes_per_node) if sharding is FsdpSharding.hybrid_shard else n
+        if s.fsdp_version == 2:
+            layout = mesh.of(cfg)
+            group = layout.dp_shard
+            n_params, trainable = _split(n_params, tp_split, layout.tp), _split(trainable, tp_split, layout.tp)
         if sharding is FsdpSharding.no_shard:
             group = 1
         params = 4 if sharding is FsdpSharding.shard_grad_op else 4 / group
@@ -72,25 +85,116 @@ def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = No
     return Memory(params * (n_params - quantized) + QUANTIZED_BYTES * quantized, grads * trained, opt * trained)
 
 
-# From least to most memory-saving: what to suggest when a plan does not fit.
-_ALTERNATIVES = [
-    ("strategy=ddp", dict(name=Strategy.ddp)),
-    ("strategy=zero1", dict(name=Strategy.zero1)),
-    ("strategy=zero2", dict(name=Strategy.zero2)),
-    ("strategy=zero3", dict(name=Strategy.zero3)),
-    ("strategy=zero3 strategy.offload_optimizer=cpu", dict(name=Strategy.zero3, offload_optimizer=Offload.cpu)),
-    (
-        "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu",
-        dict(name=Strategy.zero3, offload_optimizer=Offload.cpu, offload_param=Offload.cpu),
-    ),
+def _split(count: int | None, split: int, tp: int) -> float | None:
+    """Parameters per tensor-parallel rank: those the plan splits, a tp-th each; the rest whole."""
+    return None if count is None else count - split + split / tp
+
+
+def activation_memory(cfg: RunConfig, facts) -> float | None:
+    """Bytes of activations one micro-batch keeps for backward on a device, for a causal LM whose shapes are known
+    (else None). Per token and layer 4h + (4h + 3h_kv + 4i)/tp values (the two norms' inputs and outputs; q and k
+    after rotation, v, the attention output and its projection's input; the MLP's gate, up, activation and their
+    product), in the activation dtype (2 bytes under mixed precision, 4 in fp32); the logits in it, and in fp32 for
+    the loss with their log-probabilities (+ 8 bytes per vocabulary entry). Activation checkpointing keeps each layer's input
+    alone, and one layer's full set while it is recomputed. Temporary buffers, the allocator's slack and the
+    gathered weights of the layer in use are not included."""
+    if cfg.task.name is not TaskKind.causal_lm or not facts.layers or not facts.intermediate or not facts.vocab:
+        return None
+    s = cfg.strategy
+    tp = s.tp if s.name is Strategy.fsdp else 1
+    h, i, heads = facts.hidden_size, facts.intermediate, facts.heads or 1
+    h_kv = h * (facts.kv_heads or heads) / heads
+    width = 4 if cfg.precision.name is Precision.fp32 else 2
+    layer = (4 * h + (4 * h + 3 * h_kv + 4 * i) / tp) * width
+    layers = h * width * facts.layers + layer if s.activation_checkpointing else layer * facts.layers
+    logits = facts.vocab * (width + 8 if width == 2 else 8)  # (in fp32 the loss's upcast is the logits themselves)
+    per_token = layers + 2 * h * width + logits
+    return per_token * cfg.trainer.batch_size * cfg.data.block_size
+
+
+def device_memory(n_params: int, cfg: RunConfig, facts) -> Memory:
+    """Per device: model states and (estimated) activations."""
+    states = model_state_memory(n_params, cfg, facts.trainable, facts.quantized, facts.tp_split)
+    return replace(states, activations=activation_memory(cfg, facts))
+
+
+_OFFLOADS = [
+    (Strategy.ddp, Offload.none, Offload.none), (Strategy.zero1, Offload.none, Offload.none),
+    (Strategy.zero2, Offload.none, Offload.none), (Strategy.zero3, Offload.none, Offload.none),
+    (Strategy.zero3, Offload.cpu, Offload.none), (Strategy.zero3, Offload.cpu, Offload.cpu),
 ]
 
 
-def first_fit(n_params: int, cfg: RunConfig, device_bytes: float, trainable: int | None = None,
-              quantized: int = 0) -> tuple[str, Memory] | None:
-    for overrides, fields in _ALTERNATIVES:
-        strategy = replace(cfg.strategy, **{"offload_optimizer": Offload.none, "offload_param": Offload.none, **fields})
-        memory = model_state_memory(n_params, replace(cfg, strategy=strategy), trainable, quantized)
-        if memory.total <= device_bytes:
-            return overrides, memory
-    return None
+def _strategies(cfg: RunConfig) -> list:
+    """The strategy settings to try: the run's own first, then every ZeRO stage and offload, and FSDP2."""
+    s = cfg.strategy
+    if s.name is Strategy.fsdp:
+        return [s]
+    keep = {"offload_optimizer": Offload.none, "offload_param": Offload.none, "deepspeed_config": s.deepspeed_config}
+    options = [replace(s, **{**keep, "name": name, "offload_optimizer": opt, "offload_param": param,
+                             "deepspeed_config": s.deepspeed_config if name is not Strategy.ddp else None})
+               for name, opt, param in _OFFLOADS]
+    options.append(replace(s, name=Strategy.fsdp, offload_optimizer=Offload.none, offload_param=Offload.none,
+                           deepspeed_config=None))
+    return [s] + [o for o in options if o != s]
+
+
+def _tp_options(cfg: RunConfig, strategy, facts) -> list[int]:
+    """Tensor-parallel degrees to try: the run's, then larger ones the model and a node allow."""
+    if strategy.name is not Strategy.fsdp or not facts.tp_plan:
+        return [strategy.tp]
+    options, tp = [strategy.tp], strategy.tp * 2
+    world, per_node = cfg.cluster.world_size, cfg.cluster.processes_per_node
+    while tp <= per_node:
+        divides = all(not n or n % tp == 0 for n in (facts.heads, facts.kv_heads))
+        if divides and per_node % tp == 0 and world % (int(strategy.dp_replicate) * tp) == 0 \
+                and world // (int(strategy.dp_replicate) * tp) >= 2:
+            options.append(tp)
+        tp *= 2
+    return options
+
+
+def _changed(cfg: RunConfig, candidate: RunConfig) -> list[str]:
+    """The overrides that turn `cfg` into `candidate`."""
+    a, b = cfg.strategy, candidate.strategy
+    out = []
+    if (a.name, a.offload_optimizer, a.offload_param) != (b.name, b.offload_optimizer, b.offload_param):
+        out.append(f"strategy={b.name.value}")
+        out += [f"strategy.{key}={getattr(b, key).value}" for key in ("offload_optimizer", "offload_param")
+                if getattr(b, key) is not Offload.none]
+    if b.activation_checkpointing != a.activation_checkpointing:
+        out.append("strategy.activation_checkpointing=true")
+    if b.tp != a.tp:
+        out.append(f"strategy.tp={b.tp}")
+    if candidate.trainer.batch_size != cfg.trainer.batch_size:
+        out.append(f"trainer.batch_size={candidate.trainer.batch_size} trainer.grad_accum={candidate.trainer.grad_accum}")
+    return out
+
+
+def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float) -> tuple[str, Memory] | None:
+    """The smallest change under which the plan fits `device_bytes`: the fewest settings changed (another strategy
+    or offload, activation checkpointing, more tensor parallelism, a smaller micro-batch with more accumulation:
+    the same effective batch) and of those the one that keeps the most memory in use; as overrides and its memory.
+    The run's own strategy where it fits already; None where nothing does."""
+    found = []
+    for strategy in _strategies(cfg):
+        fsdp = strategy.name is Strategy.fsdp
+        for checkpointing in ([strategy.activation_checkpointing, True] if fsdp else [False]):
+            for tp in _tp_options(cfg, strategy, facts):
+                batch = cfg.trainer.batch_size
+                while batch >= 1:
+                    accum = cfg.trainer.grad_accum * cfg.trainer.batch_size // batch
+                    candidate = replace(cfg, strategy=replace(strategy, activation_checkpointing=checkpointing, tp=tp),
+                                        trainer=replace(cfg.trainer, batch_size=batch, grad_accum=accum))
+                    memory = device_memory(n_params, candidate, facts)
+                    if memory.total <= device_bytes:
+                        changes = _changed(cfg, candidate)
+                        found.append((len(changes), -memory.total, " ".join(changes) or f"strategy={strategy.name.value}",
+                                      memory))
+                    if batch % 2:
+                        break
+                    batch //= 2
+    if not found:
+        return None
+    _, _, overrides, memory = min(found, key=lambda item: item[:2])
+    return overrides, memory

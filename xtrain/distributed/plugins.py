@@ -32,6 +32,14 @@ class ModelFacts:
     wrap_layer: str = ""
     trainable: int | None = None  # parameters that train, where not all do (LoRA)
     quantized: int = 0  # frozen parameters held in 4 bits (QLoRA's base)
+    model_class: str = ""
+    tp_plan: bool = False  # the model has a tensor-parallel plan
+    heads: int | None = None  # attention heads, key/value heads (what tensor parallelism splits)
+    kv_heads: int | None = None
+    layers: int | None = None  # the shapes activations are estimated from (a transformers config's)
+    intermediate: int | None = None
+    vocab: int | None = None
+    tp_split: int = 0  # parameters the tensor-parallel plan splits
 
 
 def builds_on_meta(cfg: RunConfig) -> bool:
@@ -44,7 +52,7 @@ def builds_on_meta(cfg: RunConfig) -> bool:
     if getattr(cfg.model, "source", None) is not ModelSource.config:
         return False
     on_gpu = s.name is Strategy.ddp and torch.cuda.is_available() and not cfg.model.lora.enabled
-    return on_gpu or s.name is Strategy.fsdp and s.fsdp_version == 2
+    return on_gpu or s.name is Strategy.fsdp and s.fsdp_version == 2 and s.tp == 1  # (TP splits the built model)
 
 
 def is_zero(strategy: StrategyConfig) -> bool:
@@ -199,7 +207,8 @@ def fsdp_settings(strategy: StrategyConfig, facts: ModelFacts) -> dict:
         "cpu_offload": s.cpu_offload,
         "state_dict_type": "SHARDED_STATE_DICT" if s.state_dict_type is StateDictType.sharded else "FULL_STATE_DICT",
         "activation_checkpointing": s.activation_checkpointing,
-        "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading,
+        # (under TP every rank loads the weights and splits them: rank 0's broadcast would be of whole tensors)
+        "cpu_ram_efficient_loading": s.cpu_ram_efficient_loading and s.tp == 1,
         "reshard_after_forward": s.reshard_after_forward,
     }
     if s.fsdp_version == 1:
@@ -264,6 +273,10 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
             msamp_opt_level="O1",
         )
     elif cfg.strategy.name is Strategy.fsdp:
+        from xtrain.distributed import mesh
+
+        if mesh.parallelism_config(cfg) is not None:
+            kwargs["parallelism_config"] = mesh.parallelism_config(cfg)
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             **fsdp_settings(cfg.strategy, facts),
             ignored_modules=[],  # None would be read from FSDP_IGNORED_MODULES

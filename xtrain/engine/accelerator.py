@@ -132,6 +132,8 @@ _NOTES = [
     ("accelerate.utils.other", _DropNote("Removed shared tensor")),
     # when EOS (= pad id) starts or ends a block: xtrain packs documents into full blocks, nothing is padded
     ("transformers.modeling_utils", _DropNote("We strongly recommend passing in an `attention_mask`")),
+    # under FSDP2 x TP: gradient norms and full state dicts gathered over the mesh's two axes in two collectives
+    ("torch.distributed.tensor._redistribute", _DropNote("sequential all_")),
 ]
 
 
@@ -149,6 +151,10 @@ def library_notes_quieted():
             )
             # peft 0.21 asks every model it wraps for this deprecated attribute, and transformers 5 warns
             warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+            # torch 2.13 under a mesh: Accelerate slices its flattened data-parallel axes from the root mesh
+            warnings.filterwarnings("ignore", r"Slicing a flattened dim from root mesh", UserWarning)
+            # FSDP2 on a causal LM's output, which transformers returns as a view (nothing here writes into it)
+            warnings.filterwarnings("ignore", r"FSDP2-wrapped module .* returned a view tensor", UserWarning)
             yield
     finally:
         for name, note in _NOTES:

@@ -28,11 +28,12 @@ def read_state(path: str | Path) -> dict:
     return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
 
 
-def identity(cfg) -> dict:
-    """What a checkpoint must match to be resumed by this run: the model and the strategy that wrote it."""
+def identity(cfg, task=None) -> dict:
+    """What a checkpoint must match to be resumed by this run: the model and the strategy that wrote it (`task`:
+    the run's, where it has one already)."""
     from xtrain.tasks.registry import task_for
 
-    return {**task_for(cfg).identity(), "strategy": cfg.strategy.name.value}
+    return {**(task or task_for(cfg)).identity(), "strategy": cfg.strategy.name.value}
 
 
 def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:

@@ -16,9 +16,9 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from xtrain.config.schema import RunConfig
-from xtrain.core import machine, rundir
+from xtrain.core import machine, memory, rundir
 from xtrain.core.rundir import Status
-from xtrain.distributed import compiling, plugins
+from xtrain.distributed import compiling, mesh, plugins
 from xtrain.distributed.estimate import model_state_memory
 from xtrain.engine.accelerator import fsdp_units
 
@@ -95,23 +95,26 @@ def eval_text(values: dict, final: bool = False) -> str:
     return text + "".join(f" | val {name[4:]} {values[name]:.4f}" for name in names)
 
 
-def processes(world: int, strategy: str) -> str:
-    """`1 process`, `2 processes (DDP)`, `8 processes (FSDP)`, `1 process (ZeRO-3)`."""
+def processes(world: int, strategy: str, layout: mesh.Mesh | None = None) -> str:
+    """`1 process`, `2 processes (DDP)`, `8 processes (FSDP)`, `1 process (ZeRO-3)`, `4 processes (HSDP: 2 replicas x
+    2 shards)`."""
     if world == 1 and strategy == "ddp":
         return "1 process"
     name = {"ddp": "DDP", "fsdp": "FSDP"}.get(strategy, strategy.replace("zero", "ZeRO-"))
+    if layout is not None and layout.composed:
+        name = layout.words()
     return f"{world} process{'es' if world > 1 else ''} ({name})"
 
 
 def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path | None,
                  start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
     """result.json as the loop starts (status `running`), and the run's header line."""
-    t, world = cfg.trainer, accelerator.num_processes
+    t, world, layout = cfg.trainer, accelerator.num_processes, mesh.of(cfg)
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
     log.info(
         "model %.2fM params%s | %d train / %d val %s | %s | effective batch %d %s",
-        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, processes(world, cfg.strategy.name.value),
-        t.batch_size * t.grad_accum * world, c.task.batch_unit,
+        c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, processes(world, cfg.strategy.name.value, layout),
+        t.batch_size * t.grad_accum * layout.data_parallel, c.task.batch_unit,
     )
     if resume_from is not None:
         log.info("resumed from %s at step %d", resume_from, start_step)
@@ -121,13 +124,15 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
         "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized).total,
         "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
+        "mesh": layout.as_dict(), "data_parallel_size": layout.data_parallel,
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
-    own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores())
+    own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores(), memory.parameter_bytes(c.model))
     every = [own] * world
     if world > 1:
         torch.distributed.all_gather_object(every, own)
-    result["hosts"], result["cpu_threads"], result["cpu_cores"] = (list(column) for column in zip(*every))
+    result["hosts"], result["cpu_threads"], result["cpu_cores"], result["parameter_bytes"] = (
+        list(column) for column in zip(*every))
     if accelerator.distributed_type is DistributedType.FSDP:
         result["fsdp_units"] = fsdp_units(c.model)
     if cfg.trainer.compile:

@@ -34,6 +34,9 @@ APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.warmup_steps", "traine
               "trainer.max_grad_norm")
 
 
+# Settings a checkpoint written before they existed does not record, with the value it trained as
+ADDED = {"strategy.dp_replicate": 1, "strategy.tp": 1, "strategy.cp": 1}
+
 SCHEDULE = ("trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio")  # the default schedule's shape
 
 
@@ -67,6 +70,8 @@ def changes(recorded: dict, now: dict, prefix: str = "") -> list[Change]:
     found = []
     for key in sorted(set(recorded) | set(now)):
         old, new = recorded.get(key), now.get(key)
+        if key not in recorded and ADDED.get(f"{prefix}{key}", ...) == new:
+            continue
         if isinstance(old, dict) and isinstance(new, dict) and key != "sbatch_args":
             found += changes(old, new, f"{prefix}{key}.")
         elif old != new:

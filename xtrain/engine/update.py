@@ -12,6 +12,7 @@ from accelerate import Accelerator
 from xtrain.config.schema import TrainerConfig
 from xtrain.core import stopping
 from xtrain.core.errors import Diverged
+from xtrain.distributed import mesh
 from xtrain.tasks.base import Task
 
 
@@ -55,11 +56,12 @@ def per_micro_batch(accelerator: Accelerator, task: Task, micro: list):
     return (total / len(micro)).float()
 
 
-def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, grad_accum: int, step: int,
-                  last_finite: tuple[int, float] | None, trainer: TrainerConfig) -> tuple[float, int, bool]:
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, progress,
+                  trainer: TrainerConfig) -> tuple[float, int, bool]:
     """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
-    the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at once, on
-    every rank alike (all see the mean)."""
+    the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at
+    once, on every rank alike (all see the mean). `progress`: the loop's counters, at this step."""
+    grad_accum, step, last_finite = trainer.grad_accum, progress.step, progress.last_finite
     asked = float(stopping.requested() is not None)
     if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
         mean_loss_sum, stop, mean_count = loss_sum.item(), asked, count
@@ -73,4 +75,4 @@ def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, 
             f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
             f"(now {trainer.lr:g}) or raise trainer.warmup_steps (now {trainer.warmup_steps})"
         )
-    return loss, round(mean_count * accelerator.num_processes), stop > 0
+    return loss, round(mean_count * mesh.data_parallel_size(accelerator)), stop > 0

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, Strategy, TargetModel, TaskKind
 from xtrain.config.task import block_tokens, given
-from xtrain.distributed import plugins
-from xtrain.distributed.estimate import GB, Memory, first_fit, model_state_memory
+from xtrain.core.errors import ConfigError
+from xtrain.distributed import mesh, plugins
+from xtrain.distributed.estimate import GB, Memory, device_memory, smallest_fit
 from xtrain.tasks.facts import model_facts
 
 @dataclass
@@ -38,33 +39,62 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Pla
         settings = plugins.fsdp_settings(cfg.strategy, facts)
     else:
         settings = {}
-    memory = model_state_memory(n_params, cfg, facts.trainable, facts.quantized)
+    memory = device_memory(n_params, cfg, facts)
     device_gb = cfg.cluster.gpu_memory_gb or local_gpu_gb
     fit = None
     if device_gb is not None and memory.total > device_gb * GB:
-        fit = first_fit(n_params, cfg, device_gb * GB, facts.trainable, facts.quantized)
+        fit = smallest_fit(n_params, cfg, facts, device_gb * GB)
     return Plan(cfg, n_params, facts, memory, device_gb, fit, refusal, settings)
+
+
+def check_fits(cfg: RunConfig) -> None:
+    """A run planned against `cluster.gpu_memory_gb` that the per-device estimate exceeds is refused, with the
+    smallest change that fits."""
+    if cfg.cluster.gpu_memory_gb is None:
+        return
+    plan = make(cfg, None, None)
+    if not plan.fits:
+        raise ConfigError(f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: {not_fitting(plan)}")
+
+
+def not_fitting(plan: Plan) -> str:
+    m = plan.memory
+    needs = f"the plan needs {size(m.total)} per device ({size(m.states)} model states"
+    needs += f" + {size(m.activations)} activations, estimated)" if m.activations is not None else ")"
+    if plan.fit:
+        return f"{needs}; {plan.fit[0]} would fit ({size(plan.fit[1].total)})"
+    return f"{needs}; no strategy, tensor parallelism, activation checkpointing or micro-batch fits: use more devices"
 
 
 def render(plan: Plan) -> str:
     cfg, t, c = plan.cfg, plan.cfg.trainer, plan.cfg.cluster
-    effective = t.batch_size * t.grad_accum * c.world_size
+    layout = mesh.of(cfg)
+    effective = t.batch_size * t.grad_accum * layout.data_parallel
     m = plan.memory
     lines = [
         "xtrain plan (dry run: nothing was launched)",
         f"  topology     {c.nodes} node(s) x {c.processes_per_node} process(es) = world size {c.world_size} "
         f"(cluster={c.kind.value})",
-        f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x world {c.world_size} = {effective} "
-        + batch_unit(cfg, effective),
+        *mesh_lines(cfg, layout),
+        f"  batch        micro {t.batch_size} x grad_accum {t.grad_accum} x "
+        + (f"world {c.world_size}" if layout.data_parallel == c.world_size else f"data-parallel {layout.data_parallel}")
+        + f" = {effective} " + batch_unit(cfg, effective),
         f"  model        {_model_name(cfg.model)}: {plan.n_params:,} parameters (counted on the meta device)"
         + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
         f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}, optimizer {optimizer(cfg)}",
-        f"  memory       per device, model states only: weights {size(m.params)} + gradients "
-        f"{size(m.grads)} + optimizer {size(m.optimizer)} = {size(m.total)}",
+        f"  memory       per device: weights {size(m.params)} + gradients {size(m.grads)} + optimizer "
+        f"{size(m.optimizer)} = {size(m.states)} model states",
         "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
-        "fp32 4+4+8; activations not included)",
+        "fp32 4+4+8; FSDP and DDP keep fp32 weights and gradients: 4+4+8)",
     ]
+    if m.activations is None:
+        lines.append("               activations: not estimated for this model (not included)")
+    else:
+        recompute = "recomputed per layer (activation checkpointing)" if cfg.strategy.activation_checkpointing else \
+            "kept (no activation checkpointing)"
+        lines.append(f"               + activations {size(m.activations)} (estimated: micro-batch {t.batch_size} x "
+                     f"{cfg.data.block_size} tokens, {recompute}) = {size(m.total)}")
     if plan.facts.quantized:
         lines.append(f"               ({plan.facts.quantized:,} base weights in 4 bits: 0.5 bytes each, "
                      "no gradients or optimizer state)")
@@ -73,17 +103,35 @@ def render(plan: Plan) -> str:
     elif plan.fits:
         lines.append(f"  fits         yes: {size(m.total)} of {plan.device_memory_gb:g} GB")
     else:
-        advice = (
-            f"{plan.fit[0]} would ({size(plan.fit[1].total)})" if plan.fit
-            else "no ZeRO stage or offload fits: use more devices (cluster.nodes / cluster.num_processes)"
-        )
-        lines.append(f"  fits         NO: {size(m.total)} > {plan.device_memory_gb:g} GB; {advice}")
+        lines.append(f"  fits         NO: {size(m.total)} > {plan.device_memory_gb:g} GB; "
+                     + (f"{plan.fit[0]} would ({size(plan.fit[1].total)})" if plan.fit else
+                        "nothing fits: use more devices (cluster.nodes / cluster.num_processes)"))
     lines.append(f"  runs here    {'no: ' + plan.refusal if plan.refusal else 'yes'}")
     if plan.plugin_settings:
         title = "deepspeed.json" if plugins.is_zero(cfg.strategy) else "fsdp plugin"
         body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
         lines.append(f"  {title}:\n  {body}")
     return "\n".join(lines)
+
+
+def mesh_lines(cfg: RunConfig, layout: mesh.Mesh) -> list[str]:
+    """The mesh, where the run composes axes: each axis's first rank group, how many there are, and whether an
+    axis's groups cross nodes (its collectives then go over the links between them). Axes of size 1 are left out."""
+    if not layout.composed:
+        return []
+    per_node = cfg.cluster.processes_per_node
+    lines = [f"  mesh         {layout.shape()}: {layout.words()}"]
+    for axis in mesh.AXES:
+        if getattr(layout, axis) == 1:
+            continue
+        groups = layout.groups(axis)
+        crosses = any(len({rank // per_node for rank in group}) > 1 for group in groups)
+        what = {"dp_replicate": "gradients all-reduced", "dp_shard": "weights gathered, gradients reduce-scattered",
+                "tp": "activations all-reduced in every layer"}[axis]
+        lines.append(f"               {axis:<12} {getattr(layout, axis)}: ranks {groups[0]}"
+                     + (f" and {len(groups) - 1} more group(s) like it" if len(groups) > 1 else "")
+                     + f"; {'crosses nodes' if crosses else 'within a node'} ({what})")
+    return lines
 
 
 def optimizer(cfg: RunConfig) -> str:

@@ -24,9 +24,9 @@ from xtrain.config.schema import Offload, RunConfig
 from xtrain.core import machine, rundir
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
-from xtrain.distributed import plugins
+from xtrain.distributed import mesh, plugins
 from xtrain.engine import callbacks, checkpoint, optim, resume
-from xtrain.launch import hardware
+from xtrain.launch import hardware, plan
 from xtrain.tasks.facts import model_facts
 from xtrain.tasks.registry import task_for
 
@@ -43,11 +43,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     if not planning or hardware.submitting_to_slurm(cfg.cluster):  # (a SLURM request's GPUs are the plan's, not this machine's)
         hardware.check(cfg)
     c = cfg.cluster
-    if c.kind is ClusterKind.local and c.nodes > 1 and c.main_process_port is None:
-        raise ConfigError(
-            f"cluster.main_process_port is empty: cluster.nodes={c.nodes} needs the same port on every node, "
-            "e.g. cluster.main_process_port=29500"
-        )
+    if not planning and launch_refusal(cfg):
+        raise ConfigError(launch_refusal(cfg))
     gpus = hardware.node_gpus(cfg)
     if gpus and c.processes_per_node > gpus:
         where = f"cluster.gpus_per_node={gpus}" if hardware.submitting_to_slurm(cfg.cluster) else f"this node has {gpus} GPU(s)"
@@ -68,6 +65,9 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     callbacks.check(cfg)
     optim.check(cfg)
     _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
+    mesh.check(cfg, facts)
+    if not planning:  # (a dry run's plan shows what does not fit)
+        plan.check_fits(cfg)
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
@@ -81,6 +81,15 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     elif cfg.resume == "auto":
         log.info("resume=auto: %s holds no checkpoint; starting fresh", cfg.run_dir)
     return facts
+
+
+def launch_refusal(cfg: RunConfig) -> str | None:
+    """What a launch of several local nodes lacks (a dry run's plan says it; a run is refused)."""
+    c = cfg.cluster
+    if c.kind is ClusterKind.local and c.nodes > 1 and c.main_process_port is None:
+        return (f"cluster.main_process_port is empty: cluster.nodes={c.nodes} needs the same port on every node, "
+                "e.g. cluster.main_process_port=29500")
+    return None
 
 
 def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Path) -> None:

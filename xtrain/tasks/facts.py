@@ -4,7 +4,7 @@ ZeRO's bucket size and the LoRA-trainable count."""
 from __future__ import annotations
 
 from xtrain.config.schema import RunConfig, Strategy
-from xtrain.distributed import plugins
+from xtrain.distributed import mesh, plugins
 
 _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 
@@ -33,7 +33,18 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     hidden = getattr(getattr(meta, "config", None), "hidden_size", None)
     if hidden is None:  # a module without a transformers config: ZeRO's buckets sized by its largest weight
         hidden = max((int(p.numel() ** 0.5) for p in meta.parameters()), default=1)
-    return n_params, plugins.ModelFacts(hidden_size=hidden, wrap_layer=wrap, trainable=trainable, quantized=quantized)
+    config = getattr(meta, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    planned = mesh.tensor_parallel_plan(meta)
+    return n_params, plugins.ModelFacts(
+        hidden_size=hidden, wrap_layer=wrap, trainable=trainable, quantized=quantized, model_class=type(meta).__name__,
+        tp_plan=bool(planned), heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        layers=layers, intermediate=intermediate or (4 * hidden if layers else None),
+        vocab=getattr(config, "vocab_size", None),
+        tp_split=sum(p.numel() for name, p in meta.named_parameters() if name in planned),
+    )
 
 
 def stored_numel(p) -> int:
