@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compose_run, xtrain_in_process
-from xtrain.distributed import estimate
+from xtrain.distributed import estimate, plugins
 
 GB = 1e9
 
@@ -51,16 +51,18 @@ def test_offload_moves_states_off_the_device():
     assert memory.params == memory.optimizer == 0 and memory.grads == pytest.approx(2 * psi / 4)
 
 
-def test_first_fit_suggests_the_least_sharding_that_fits():
+def test_the_smallest_fit_is_the_least_sharding_that_fits():
     cfg = compose_run("precision=bf16", "cluster.num_processes=8")
+    facts = plugins.ModelFacts(hidden_size=4096)  # model states alone: no shapes to estimate activations from
     psi = 7_000_000_000  # per device: ddp 112 GB, zero1 28 + 10.5, zero2 14 + 12.25, zero3 14, offloads 3.5 / 1.75
-    assert estimate.first_fit(psi, cfg, 120 * GB)[0] == "strategy=ddp"
-    assert estimate.first_fit(psi, cfg, 80 * GB)[0] == "strategy=zero1"
-    assert estimate.first_fit(psi, cfg, 30 * GB)[0] == "strategy=zero2"
-    assert estimate.first_fit(psi, cfg, 20 * GB)[0] == "strategy=zero3"
-    assert estimate.first_fit(psi, cfg, 4 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu"
-    assert estimate.first_fit(psi, cfg, 2 * GB)[0] == "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu"
-    assert estimate.first_fit(psi, cfg, 1 * GB) is None
+    fit = lambda gb: estimate.smallest_fit(psi, cfg, facts, gb * GB)  # noqa: E731
+    assert fit(120)[0] == "strategy=ddp"
+    assert fit(80)[0] == "strategy=zero1"
+    assert fit(30)[0] == "strategy=zero2"
+    assert fit(20)[0] == "strategy=zero3"  # (FSDP2's 14 GB too: the ZeRO stage comes first)
+    assert fit(4)[0] == "strategy=zero3 strategy.offload_optimizer=cpu"
+    assert fit(2)[0] == "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu"
+    assert fit(1) is None
 
 
 LLAMA_70B = ["model=tiny_llama", "model.hidden_size=8192", "model.num_layers=80", "model.num_heads=64",
@@ -85,8 +87,16 @@ def test_dry_run_of_a_70b_config_on_a_cpu(tmp_path):
     assert "8 node(s) x 8 process(es) = world size 64" in out
     assert "micro 1 x grad_accum 1 x world 64 = 64 sequences = 262144 tokens" in out
     zero2 = (2 * n + 14 * n / 64) / GB
-    assert f"= {zero2:.2f} GB" in out
-    assert f"fits         NO: {zero2:.2f} GB > 80 GB; strategy=zero3 would ({16 * n / 64 / GB:.2f} GB)" in out
+    assert f"= {zero2:.2f} GB model states" in out
+    # per token: 80 layers x (4h + 4h + 3 h_kv + 4i) values, two hidden states, the logits (bf16, then fp32 twice)
+    d, kv, ff, vocab = 8192, 1024, 28672, 32000
+    per_token = lambda tp: 80 * (4 * d + (4 * d + 3 * kv + 4 * ff) / tp) * 2 + 2 * d * 2 + vocab * 10  # noqa: E731
+    activations = 4096 * per_token(1) / GB
+    assert f"+ activations {activations:.2f} GB (estimated: micro-batch 1 x 4096 tokens, kept" in out
+    # no strategy alone fits: the fewest changes are two, and of those FSDP2 with 4-way TP keeps the most in use
+    split = n - 80 * 2 * d - d  # what Llama's plan splits: all but the norms
+    fsdp_tp4 = (16 * (split / 4 + n - split) / 16 + 4096 * per_token(4)) / GB
+    assert f"fits         NO: {zero2 + activations:.2f} GB > 80 GB; strategy=fsdp strategy.tp=4 would ({fsdp_tp4:.2f} GB)" in out
     assert "runs here    no: strategy=zero2: DeepSpeed ZeRO needs CUDA GPUs" in out
     assert '"stage": 2' in out and '"train_batch_size": 64' in out
     assert not run_dir.exists()  # a plan creates nothing
