@@ -305,3 +305,19 @@ def test_the_cluster_leaves_the_machines_own_slurm_config_alone(slurm_cluster):
     assert not Path("/etc/slurm/slurmdbd.conf").exists() or "start_slurm" not in Path("/etc/slurm/slurmdbd.conf").read_text()
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True).stdout.split()
     assert sorted(set(nodes)) == ["n1", "n2", "n3", "n4"]  # the clients reach the cluster through SLURM_CONF alone
+
+
+def test_hsdp_replicates_across_two_nodes_and_shards_within_each(tmp_path, ddp_two_processes):
+    """strategy.dp_replicate=auto on 2 nodes x 2 processes: one replica per node, its 2 shards on that node's ranks
+    (the FSDP2 seam on the nodes), the same 16 blocks a step as the local 2-process DDP run (micro-batches of 2 to 4
+    data-parallel ranks): its curve."""
+    run_dir = tmp_path / "run"
+    hsdp = [o for o in SHARDED if not o.startswith(("cluster.num_processes", "trainer.batch_size"))]
+    run_xtrain(f"run_dir={run_dir}", *ALL_CPUS, "cluster.nodes=2", "cluster.num_processes=2", "strategy=fsdp",
+               "strategy.dp_replicate=auto", "trainer.batch_size=2", *hsdp, env={"XTRAIN_TEST_FSDP_ON_CPU": "1"})
+    result = read_result(run_dir)
+    assert result["status"] == "completed" and result["hosts"] == ["n1", "n1", "n2", "n2"]
+    assert result["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
+    assert "strategy:\n  name: fsdp" in (run_dir / "run.yaml").read_text() and \
+        "dp_replicate: 2" in (run_dir / "run.yaml").read_text()  # auto, resolved: what trained
+    assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)

@@ -92,23 +92,28 @@ def _split(count: int | None, split: int, tp: int) -> float | None:
 
 def activation_memory(cfg: RunConfig, facts) -> float | None:
     """Bytes of activations one micro-batch keeps for backward on a device, for a causal LM whose shapes are known
-    (else None). Per token and layer 4h + (4h + 3h_kv + 4i)/tp values (the two norms' inputs and outputs; q and k
-    after rotation, v, the attention output and its projection's input; the MLP's gate, up, activation and their
-    product), in the activation dtype (2 bytes under mixed precision, 4 in fp32); the logits in it, and in fp32 for
-    the loss with their log-probabilities (+ 8 bytes per vocabulary entry). Activation checkpointing keeps each layer's input
-    alone, and one layer's full set while it is recomputed. Temporary buffers, the allocator's slack and the
-    gathered weights of the layer in use are not included."""
+    (else None), as autograd saves them for a Llama (h hidden, h_kv key/value, i MLP values per token; w bytes a
+    value: 2 under mixed precision, 4 in fp32). Per token and layer: the two norms' inputs and normalized values in
+    fp32 (4h x 4 bytes) and what the projections read of them (in fp32 the norms' outputs, 2h x 4; under autocast
+    a 16-bit copy for each of q, k, v, gate and up, 5h x 2); split over tp, q and the attention output, k and v,
+    the output projection's input ((3h + 2h_kv) / tp x w) and the MLP's gate, up, activation and product
+    (4i / tp x w). Then the final norm's (3h x 4 in fp32; 2h x 4 + h x 2 under autocast) and the fp32
+    log-probabilities (4 bytes per vocabulary entry). Activation checkpointing keeps each layer's input alone
+    (h x 4), and one layer's full set while it is recomputed. Not included: what backward holds at once (the
+    gradients of activations), temporary buffers, the allocator's slack, the gathered weights of the layer in use."""
     if cfg.task.name is not TaskKind.causal_lm or not facts.layers or not facts.intermediate or not facts.vocab:
         return None
     s = cfg.strategy
     tp = s.tp if s.name is Strategy.fsdp else 1
     h, i, heads = facts.hidden_size, facts.intermediate, facts.heads or 1
     h_kv = h * (facts.kv_heads or heads) / heads
-    width = 4 if cfg.precision.name is Precision.fp32 else 2
-    layer = (4 * h + (4 * h + 3 * h_kv + 4 * i) / tp) * width
-    layers = h * width * facts.layers + layer if s.activation_checkpointing else layer * facts.layers
-    logits = facts.vocab * (width + 8 if width == 2 else 8)  # (in fp32 the loss's upcast is the logits themselves)
-    per_token = layers + 2 * h * width + logits
+    fp32 = cfg.precision.name is Precision.fp32
+    width = 4 if fp32 else 2
+    norms = 6 * h * 4 if fp32 else 4 * h * 4 + 5 * h * 2
+    layer = norms + ((3 * h + 2 * h_kv) / tp + 4 * i / tp) * width
+    layers = h * 4 * facts.layers + layer if s.activation_checkpointing else layer * facts.layers
+    final = 3 * h * 4 if fp32 else 2 * h * 4 + h * 2
+    per_token = layers + final + facts.vocab * 4
     return per_token * cfg.trainer.batch_size * cfg.data.block_size
 
 

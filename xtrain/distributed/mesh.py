@@ -34,8 +34,8 @@ class Mesh:
 
     @property
     def composed(self) -> bool:
-        """More than one axis: the run needs Accelerate's ParallelismConfig."""
-        return self.dp_replicate > 1 or self.tp > 1
+        """More than one axis (replicas of shards, or TP): the run needs Accelerate's ParallelismConfig."""
+        return self.tp > 1 or self.dp_replicate > 1 and self.dp_shard > 1
 
     def shape(self) -> str:
         return " x ".join(str(getattr(self, axis)) for axis in AXES) + " (" + " x ".join(AXES) + ")"

@@ -1,10 +1,10 @@
 """The training loop: one Accelerate loop over a run dir's resolved config.
 
-`train(run_dir)` reads `run.yaml` (never composes config), builds the Accelerator (accelerator.py),
-the task's model and data (tasks/), the optimizer and schedule, resumes if asked, trains for
-`trainer.max_steps` optimizer steps with periodic logging, evaluation and checkpoints, and has the task
-export the final model. Every rank runs this same function. What a batch means (its loss, its tokens,
-the eval) is the task's: the loop knows nothing of causal LMs.
+`train(run_dir)` reads `run.yaml` (never composes config) into a `Run`: it builds the Accelerator
+(accelerator.py), the task's model and data, the optimizer and schedule (components.py) and resumes if asked;
+`Run.train()` trains for `trainer.max_steps` optimizer steps with periodic logging, evaluation and checkpoints,
+and has the task export the final model. Every rank runs this same function. What a batch means (its loss, its
+tokens, the eval) is the task's: the loop knows nothing of causal LMs.
 """
 
 from __future__ import annotations
@@ -20,26 +20,24 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain.config import schema
-from xtrain.config.schema import Export, Precision, RunConfig, Strategy
+from xtrain.config.schema import Export, Precision
 from xtrain.core import machine, memory, rundir, stopping
-from xtrain.core.errors import ConfigError
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
-from xtrain.distributed import compiling, mesh, meta_init, plugins
+from xtrain.distributed import mesh, plugins
 from xtrain.engine import checkpoint, evaluation, pruning, reporting, resume, sampler, tracking
 from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
+from xtrain.engine.components import build_components
 from xtrain.engine.monitor import EARLY_STOP, Monitor
-from xtrain.engine.optim import build_optimizer, build_scheduler, set_hyperparameters
-from xtrain.engine.speed import Speed, measure_speed
+from xtrain.engine.optim import set_hyperparameters
+from xtrain.engine.speed import measure_speed
 from xtrain.engine.update import agree_on_step, optimizer_step
-from xtrain.tasks.base import Task
-from xtrain.tasks.facts import model_facts, stored_numel
+from xtrain.tasks.facts import model_facts
 from xtrain.tasks.registry import task_for
 
 log = logging.getLogger("xtrain")
@@ -49,27 +47,6 @@ log = logging.getLogger("xtrain")
 # group's own threads still disposes of the last collective's work deadlocks (that thread waits for the GIL, the main
 # thread holds it and waits for the group's lock). Seen under load: a rank that had saved its stop never exited.
 _HELD_UNTIL_EXIT: list = []
-
-
-@dataclass
-class Components:
-    """Everything the loop needs, already passed through `accelerator.prepare`."""
-
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: DataLoader
-    val_loader: DataLoader
-    task: Task
-    n_params: int
-    n_trainable: int | None  # where not every parameter trains (LoRA)
-    n_train: int
-    n_val: int
-    unit: str  # what one example is, for the log line: "blocks of 128 tokens"
-    test_loader: DataLoader | None = None  # where the run has a test split
-    pruning: pruning.Pruning | None = None  # where the run is a study's trial
-    callbacks: Callbacks | None = None  # trainer.callbacks
-    speed: Speed = field(default_factory=Speed)  # the steady rate's windows, MFU's FLOPs and peak
 
 
 @dataclass
@@ -86,50 +63,6 @@ class Progress:
     monitor: Monitor | None = None  # trainer.monitor's best so far (travels in checkpoints)
     early_stop: bool = False  # trainer.early_stop_patience evals without improvement
     callback_stop: str | None = None  # a callback asked to stop (its reason)
-
-
-def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
-    t = cfg.trainer
-    built = task.build(accelerator)
-    model, train_set, val_set = built.model, built.train_set, built.val_set
-    if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
-        fsdp = cfg.strategy.name is Strategy.fsdp
-        model = meta_init.shard(accelerator, model) if fsdp else meta_init.materialize(model, accelerator.device)
-    if cfg.trainer.compile and cfg.strategy.name is Strategy.ddp:  # (the others compile in `prepare`)
-        compiling.compile_blocks(model)
-    if cfg.strategy.tp > 1:  # split over the tp axis before FSDP2 (in `prepare`) shards over the others
-        model = mesh.apply_tensor_parallel(accelerator, model)
-    model.train()
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg.trainer)
-    # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
-    # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
-    train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(t.seed), collate_fn=built.collate)
-    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed),
-                            collate_fn=built.collate)
-    if len(train_loader) == 0:
-        raise ConfigError(
-            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training {built.unit}; "
-            "use a smaller batch"
-        )
-    counts = {p.requires_grad: 0 for p in model.parameters()}
-    for p in model.parameters():
-        counts[p.requires_grad] += stored_numel(p)
-    n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
-    test_loader = None if built.test_set is None else DataLoader(built.test_set, batch_size=t.batch_size,
-                                                                  collate_fn=built.collate)
-    with mesh.split_already(accelerator):
-        model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, val_loader, scheduler
-        )
-    test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
-    sampler.lean(train_loader)  # the same order, without a Python list of every epoch
-    return Components(
-        model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
-        task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
-        test_loader=test_loader,
-    )
 
 
 def resume_setting(resume: str, run_dir: Path) -> str:
@@ -417,7 +350,6 @@ class Run:
         state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
         if not accelerator.is_main_process:
             return
-        state_dict = without_tied_copies(accelerator.unwrap_model(c.model), state_dict)
         log.info("step %d | exporting model/", step)
         tmp = self.run_dir / f".tmp-{rundir.MODEL}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -426,18 +358,6 @@ class Run:
         for made in sorted(tmp.iterdir()):
             replace_dir(made, self.run_dir / made.name)
         tmp.rmdir()
-
-
-def without_tied_copies(model, state_dict: dict) -> dict:
-    """A gathered state dict (FSDP2 x TP) holds a tied weight under each of its names, as copies that `save_pretrained`
-    no longer sees are one: only its first name is kept (the model ties the others to it again on load)."""
-    first: dict[int, str] = {}
-    copies = set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first and name in state_dict and first[id(p)] in state_dict:
-            copies.add(name)
-        first.setdefault(id(p), name)
-    return {key: value for key, value in state_dict.items() if key not in copies}
 
 
 def val_values(result: dict) -> dict:

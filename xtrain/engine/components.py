@@ -1,0 +1,87 @@
+"""What a run trains with: the task's model and data, the optimizer and schedule, their loaders, all passed
+through `accelerator.prepare` (the model first built on meta and sharded or placed where the strategy asks, split
+over the mesh's tp axis where it has one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from xtrain.config.schema import RunConfig, Strategy
+from xtrain.core.errors import ConfigError
+from xtrain.distributed import compiling, mesh, meta_init
+from xtrain.engine import sampler
+from xtrain.engine.pruning import Pruning
+from xtrain.engine.callbacks import Callbacks
+from xtrain.engine.optim import build_optimizer, build_scheduler
+from xtrain.engine.speed import Speed
+from xtrain.tasks.base import Task
+from xtrain.tasks.facts import stored_numel
+
+
+@dataclass
+class Components:
+    """Everything the loop needs, already passed through `accelerator.prepare`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: DataLoader
+    val_loader: DataLoader
+    task: Task
+    n_params: int
+    n_trainable: int | None  # where not every parameter trains (LoRA)
+    n_train: int
+    n_val: int
+    unit: str  # what one example is, for the log line: "blocks of 128 tokens"
+    test_loader: DataLoader | None = None  # where the run has a test split
+    pruning: Pruning | None = None  # where the run is a study's trial
+    callbacks: Callbacks | None = None  # trainer.callbacks
+    speed: Speed = field(default_factory=Speed)  # the steady rate's windows, MFU's FLOPs and peak
+
+
+def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
+    t = cfg.trainer
+    built = task.build(accelerator)
+    model, train_set, val_set = built.model, built.train_set, built.val_set
+    if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
+        fsdp = cfg.strategy.name is Strategy.fsdp
+        model = meta_init.shard(accelerator, model) if fsdp else meta_init.materialize(model, accelerator.device)
+    if cfg.trainer.compile and cfg.strategy.name is Strategy.ddp:  # (the others compile in `prepare`)
+        compiling.compile_blocks(model)
+    if cfg.strategy.tp > 1:  # split over the tp axis before FSDP2 (in `prepare`) shards over the others
+        model = mesh.apply_tensor_parallel(accelerator, model)
+    model.train()
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg.trainer)
+    # Own generators: starting an iterator then draws its seed from them, not from the global RNG that
+    # dropout uses, so a resume that starts mid-epoch sees the same dropout masks as an unbroken run.
+    train_loader = DataLoader(train_set, batch_size=t.batch_size, shuffle=True, drop_last=True,
+                              generator=torch.Generator().manual_seed(t.seed), collate_fn=built.collate)
+    val_loader = DataLoader(val_set, batch_size=t.batch_size, generator=torch.Generator().manual_seed(t.seed),
+                            collate_fn=built.collate)
+    if len(train_loader) == 0:
+        raise ConfigError(
+            f"trainer.batch_size={t.batch_size}: larger than the {len(train_set)} training {built.unit}; "
+            "use a smaller batch"
+        )
+    counts = {p.requires_grad: 0 for p in model.parameters()}
+    for p in model.parameters():
+        counts[p.requires_grad] += stored_numel(p)
+    n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
+    test_loader = None if built.test_set is None else DataLoader(built.test_set, batch_size=t.batch_size,
+                                                                  collate_fn=built.collate)
+    with mesh.split_already(accelerator):
+        model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, val_loader, scheduler
+        )
+    test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
+    sampler.lean(train_loader)  # the same order, without a Python list of every epoch
+    return Components(
+        model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
+        task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
+        test_loader=test_loader,
+    )
