@@ -172,3 +172,25 @@ def test_importing_xtrain_modules_installs_no_warning_filter():
             "assert not logging.getLogger('accelerate.utils.other').filters")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_backend_has_the_backend_protocols_functions():
+    """`backend_for` returns modules; each has every function of `Backend`, taking its parameters by the same names."""
+    import inspect
+
+    from xtrain.backends.base import Backend
+    from xtrain.backends.registry import backend_for
+    from xtrain.config.cluster import ClusterKind
+
+    for kind in ClusterKind:
+        backend = backend_for(kind)
+        assert isinstance(backend, Backend), kind
+        for name, function in inspect.getmembers(Backend, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            wanted = [p for p in inspect.signature(function).parameters.values() if p.name != "self"]
+            has = inspect.signature(getattr(backend, name)).parameters
+            for p in wanted:
+                if p.kind is p.VAR_KEYWORD:
+                    continue
+                assert p.name in has, f"{backend.__name__}.{name} lacks {p.name}"

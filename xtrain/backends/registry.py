@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from xtrain.backends.base import Backend
 from xtrain.config.cluster import ClusterKind
 from xtrain.config.schema import RunConfig
 from xtrain.distributed import mesh
@@ -16,8 +17,8 @@ def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
                                                                           parallel)))
 
 
-def backend_for(kind: ClusterKind):
-    """The backend module for `cluster.kind`."""
+def backend_for(kind: ClusterKind) -> Backend:
+    """The backend for `cluster.kind`: a module with the `Backend` protocol's functions."""
     if kind is ClusterKind.slurm:
         from xtrain.backends.slurm import backend as slurm
 

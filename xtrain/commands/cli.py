@@ -24,6 +24,7 @@ from xtrain.config import schema
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import CallbackFailed, ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
 from xtrain.core.files import keep_private
+from xtrain.sweeps import sweep_dir
 
 GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
@@ -116,11 +117,11 @@ def main() -> None:
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    refusals = (ConfigError, HydraException, OmegaConfBaseException)
     try:
-        hydra_main()
-    except (ConfigError, HydraException, OmegaConfBaseException) as err:
-        if "xtrain.sweeps.sweep" in sys.modules:  # a sweep refused before it ran: its dir as it was
-            sys.modules["xtrain.sweeps.sweep"].restore_sweep_dir()
+        with sweep_dir.kept(*refusals):  # a sweep refused before it ran: its dir as it was
+            hydra_main()
+    except refusals as err:
         _report_refusal(err)
     except SweepFailed as err:  # one line per failed point; the summary has them all
         for line in str(err).splitlines():

@@ -1,4 +1,5 @@
-"""The typed run config: one dataclass per config group, validated on construction.
+"""The typed run config: one dataclass per config group (each in its own module, as xtrain/conf/<group>/ holds
+the group's options), validated on construction; `RunConfig` composes them and checks what spans groups.
 
 This module imports neither torch nor transformers, so composing a config stays fast.
 Every user-facing rule raises `ConfigError` with a sentence that names the setting,
@@ -9,197 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, List, Optional
+from typing import Any
 
 from xtrain.config.cluster import ClusterConfig
+from xtrain.config.data import DataConfig, DataSource, ExampleFormat, TrainOn  # noqa: F401 (re-exported)
 from xtrain.config.lora import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
+from xtrain.config.model import ModelArch, ModelConfig, ModelSource  # noqa: F401 (re-exported)
+from xtrain.config.precision import Fp8Backend, Precision, PrecisionConfig  # noqa: F401 (re-exported)
 from xtrain.config.strategy import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
                                      StrategyConfig)
 from xtrain.config.task import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
                                  check_monitor, monitor_direction, target_data, target_model)
+from xtrain.config.tracker import TrackerConfig, TrackerKind  # noqa: F401 (re-exported)
 from xtrain.config.trainer import TrainerConfig  # noqa: F401 (re-exported)
-from xtrain.core.errors import ConfigError, override_of, positive, unknown_setting
-
-
-class ModelSource(Enum):
-    config = "config"  # built from a transformers config, random init
-    pretrained = "pretrained"  # from_pretrained(model.name_or_path)
-
-
-class ModelArch(Enum):
-    gpt2 = "gpt2"
-    llama = "llama"
-
-
-class DataSource(Enum):
-    pydoc = "pydoc"  # CPython's bundled documentation topics: no download
-    text = "text"  # local files (.txt, .jsonl, .json, .jsonl.gz, .json.gz, .parquet, .csv)
-    hf = "hf"  # a datasets hub name or a save_to_disk directory
-    sft = "sft"  # instruction or chat examples (local files or a dataset), rendered with the model's chat template
-    images = "images"  # labelled images (task=image_cls): image folders, .npz arrays or Parquet files
-
-
-class ExampleFormat(Enum):
-    auto = "auto"  # from the columns
-    messages = "messages"  # [{role, content}, ...] (OpenAI style; ShareGPT's {from, value} too)
-    prompt_completion = "prompt_completion"
-    alpaca = "alpaca"  # instruction, input (optional), output
-
-
-class TrainOn(Enum):
-    answers = "answers"  # the assistant turns (the completion, the output); the rest is context
-    all = "all"  # every token of the rendered example
-
-
-
-class Precision(Enum):
-    fp32 = "fp32"
-    fp16 = "fp16"
-    bf16 = "bf16"
-    fp8 = "fp8"
-
-
-class Fp8Backend(Enum):
-    te = "te"  # NVIDIA Transformer Engine
-    torchao = "torchao"
-    msamp = "msamp"
-
-
-class TrackerKind(Enum):
-    none = "none"
-    tensorboard = "tensorboard"
-    wandb = "wandb"
-
-
-@dataclass
-class ModelConfig:
-    source: ModelSource = ModelSource.config
-    """`config`: build `arch` with the sizes below, random init; `pretrained`: load `name_or_path`."""
-    arch: ModelArch = ModelArch.gpt2
-    """Architecture for `source=config`."""
-    name_or_path: Optional[str] = None
-    """For `source=pretrained`: a hub id or a local directory holding the model and its tokenizer."""
-    hidden_size: int = 128
-    """Width of the built-in model (`source=config`)."""
-    num_layers: int = 4
-    """Transformer blocks of the built-in model."""
-    num_heads: int = 4
-    """Attention heads of the built-in model (hidden_size must divide by it)."""
-    num_kv_heads: Optional[int] = None
-    """Llama only: key/value heads for grouped-query attention (default: num_heads)."""
-    intermediate_size: int = 512
-    """Width of the built-in model's MLP."""
-    vocab_size: int = 2048
-    """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
-    dropout: float = 0.0
-    """Dropout of the built-in model (attention, residual and embedding)."""
-    lora: LoraConfig = field(default_factory=LoraConfig)
-
-    def __post_init__(self) -> None:
-        if self.lora.enabled and self.source is ModelSource.config:
-            raise ConfigError(
-                "model.lora.enabled=true: the model is built from config with random weights, and LoRA adapts "
-                "trained ones; use model=hf model.name_or_path=<a pretrained model>"
-            )
-        if self.lora.quantize_base is not BaseQuantization.none and not self.lora.enabled:
-            raise ConfigError(f"model.lora.quantize_base={self.lora.quantize_base.value}: only with model.lora.enabled=true")
-        if self.source is ModelSource.pretrained and not self.name_or_path:
-            raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
-        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            positive(f"model.{name}", getattr(self, name))
-        if self.vocab_size < 260:
-            raise ConfigError(f"model.vocab_size={self.vocab_size}: must be >= 260 (256 bytes + special tokens)")
-        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
-            raise ConfigError(
-                f"model.num_kv_heads={self.num_kv_heads}: must divide model.num_heads={self.num_heads}"
-            )
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(
-                f"model.hidden_size={self.hidden_size}: must be divisible by model.num_heads={self.num_heads}"
-            )
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")
-
-
-@dataclass
-class DataConfig:
-    source: DataSource = DataSource.pydoc
-    """Where the data comes from; each option of the `data` group sets it."""
-    files: List[str] = field(default_factory=list)
-    """For `source=text`: files, directories or globs (formats: xtrain/data/sources.py)."""
-    name: Optional[str] = None
-    """For `source=hf`: a datasets hub name or a directory written by `save_to_disk`."""
-    config_name: Optional[str] = None
-    """For `source=hf`: the hub dataset's configuration, if it has several."""
-    split: str = "train"
-    """For `source=hf`: the dataset's split to read (the val split is drawn from it)."""
-    text_column: str = "text"
-    """The column that holds each record's text (record formats and `source=hf`)."""
-    block_size: int = 128
-    """Tokens per training sequence; documents are packed into blocks of this length."""
-    val_fraction: float = 0.05
-    """Share of the blocks held out for evaluation, up to `max_val_tokens`."""
-    max_val_tokens: int = 16384
-    """Validation blocks hold at most this many tokens (at least one block): an eval's cost is bounded."""
-    num_proc: Optional[int] = None
-    """Processes that tokenize while preparing (default: every core of the machine that prepares)."""
-    cache_dir: str = "~/.cache/xtrain"
-    """Tokenizers and prepared tokens are cached here (env XTRAIN_CACHE_DIR overrides)."""
-    # sft only -----------------------------------------------------------------------------
-    format: ExampleFormat = ExampleFormat.auto
-    """The examples' shape: `messages`, `prompt_completion`, `alpaca`, or `auto` (from the columns)."""
-    train_on: TrainOn = TrainOn.answers
-    """Which tokens the loss covers: `answers` (assistant turns, the completion) or `all`."""
-    packing: bool = True
-    """Several examples per block of `block_size`, each attending only to itself (position ids restart);
-    false: one example per sequence, padded to the longest in the batch."""
-    chat_template: Optional[str] = None
-    """A Jinja chat template (or a file holding one) for a tokenizer that has none, or to replace its own."""
-    test: List[str] = field(default_factory=list)
-    """`task=seq_cls` and `image_cls`: test files (as `files`), every record a test example, its labels mapped as the
-    training data's; evaluated on the model `model/` keeps (`test_<name>` in result.json). (`task=custom`:
-    `data.test._target_=...`.)"""
-
-    def __post_init__(self) -> None:
-        if self.source is DataSource.sft and not (self.files or self.name):
-            raise ConfigError("data.files is empty: data=sft needs example files (data.files=[chat.jsonl]) "
-                              "or a dataset (data.name=<hub name or save_to_disk dir>)")
-        if self.source is DataSource.images and not self.files:
-            raise ConfigError("data.files is empty: data=images needs image folders (<root>/<class>/<image>.png), "
-                              ".npz or .parquet files, e.g. 'data.files=[photos]'")
-        if self.source is DataSource.text and not self.files:
-            raise ConfigError("data.files is empty: data=text needs files or globs, e.g. data.files=[notes/*.txt]")
-        if self.source is DataSource.hf and not self.name:
-            raise ConfigError("data.name is empty: data=hf needs a datasets hub name or a save_to_disk directory")
-        positive("data.block_size", self.block_size)
-        if not 0 < self.val_fraction < 1:
-            raise ConfigError(f"data.val_fraction={self.val_fraction}: must be between 0 and 1 (exclusive)")
-        positive("data.max_val_tokens", self.max_val_tokens)
-        if self.num_proc is not None:
-            positive("data.num_proc", self.num_proc)
-
-
-@dataclass
-class PrecisionConfig:
-    name: Precision = Precision.fp32
-    """Mixed precision; each option of the `precision` group sets it."""
-    fp8_backend: Fp8Backend = Fp8Backend.te
-    """precision=fp8 only: `te` (Transformer Engine), `torchao` or `msamp`."""
-
-
-@dataclass
-class TrackerConfig:
-    kind: TrackerKind = TrackerKind.none
-    """Where metrics go besides metrics.jsonl; each option of the `tracker` group sets it."""
-    project: str = "xtrain"
-    """Project name for TensorBoard / W&B."""
-    wandb_mode: str = "auto"
-    """`auto`: online when a W&B API key is configured, else offline (files in the run dir)."""
-
-    def __post_init__(self) -> None:
-        if self.wandb_mode not in ("auto", "online", "offline"):
-            raise ConfigError(f"tracker.wandb_mode={self.wandb_mode}: must be one of auto, online, offline")
+from xtrain.core.errors import ConfigError, override_of, unknown_setting
 
 
 @dataclass

@@ -30,6 +30,7 @@ from xtrain.core.files import write_atomic
 from xtrain.core.rundir import Status
 from xtrain.engine import study_settings
 from xtrain.sweeps import search_space, summary, sweep
+from xtrain.sweeps import sweep_dir as sweep_dir_kept
 
 log = logging.getLogger("xtrain")
 
@@ -111,7 +112,7 @@ class Study:
             script = sbatch_script(self.corners[0].cfg, self.sweep_dir / "logs", array=count, array_parallelism=count)
             print(f"\nsbatch script of the {count} worker(s) (nothing submitted):\n{script}")
         print("study: dry run: nothing was asked, written or started")
-        sweep.restore_sweep_dir()
+        sweep_dir_kept.restore()
 
     def plan(self, num: int, swept: list[str], probe: bool = False) -> Point:
         """A trial's point: `swept` as sampled; its name and label with 4 significant digits."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -28,32 +27,9 @@ from xtrain.core.rundir import Status
 from xtrain.engine import reporting, resume
 from xtrain.launch import preflight
 from xtrain.sweeps import summary
+from xtrain.sweeps import sweep_dir as sweep_dir_kept
 
 log = logging.getLogger("xtrain")
-
-
-_sweep_dir_before: dict = {}
-
-
-def note_sweep_dir(sweep_dir: Path) -> None:
-    """Hydra's sweeper writes multirun.yaml into the sweep dir before any point is checked: remember what
-    was there, so that a refused sweep leaves the dir as it found it (`undo_refused_sweep`)."""
-    record = sweep_dir / "multirun.yaml"
-    _sweep_dir_before.update(dir=sweep_dir, existed=sweep_dir.exists(),
-                             record=record.read_bytes() if record.exists() else None)
-
-
-def restore_sweep_dir() -> None:
-    """The sweep dir as `note_sweep_dir` found it (a refused sweep, a dry run): multirun.yaml as it was, the dir
-    gone where it was not there."""
-    if not _sweep_dir_before:
-        return
-    sweep_dir, record = _sweep_dir_before["dir"], _sweep_dir_before["record"]
-    if record is not None:
-        (sweep_dir / "multirun.yaml").write_bytes(record)
-    elif not _sweep_dir_before["existed"]:
-        shutil.rmtree(sweep_dir, ignore_errors=True)
-    _sweep_dir_before.clear()
 
 
 def swept_overrides(job_overrides: list[list[str]]) -> list[list[str]]:
@@ -174,7 +150,7 @@ def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
     for script in backend.scripts(points, sweep_dir, **options):
         print(f"sbatch script (nothing submitted):\n{script}")
     print(f"sweep: {len(points)} points in {sweep_dir} (dry run: nothing was written or started)")
-    restore_sweep_dir()
+    sweep_dir_kept.restore()
 
 
 def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, **options) -> None:

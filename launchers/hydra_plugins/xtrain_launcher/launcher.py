@@ -27,9 +27,9 @@ class _XtrainLauncher(Launcher):
         self.task_function = task_function
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
         if self.runs_xtrain:
-            from xtrain.sweeps import sweep
+            from xtrain.sweeps import sweep_dir
 
-            sweep.note_sweep_dir(self.sweep_dir)
+            sweep_dir.note(self.sweep_dir)
 
     @property
     def runs_xtrain(self) -> bool:

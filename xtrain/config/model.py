@@ -1,0 +1,71 @@
+"""The `model` settings: the built-in model's shapes (built from config, random init) or a pretrained one, and
+LoRA (`model.lora`, lora.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from xtrain.config.lora import BaseQuantization, LoraConfig
+from xtrain.core.errors import ConfigError, positive
+
+
+class ModelSource(Enum):
+    config = "config"  # built from a transformers config, random init
+    pretrained = "pretrained"  # from_pretrained(model.name_or_path)
+
+
+class ModelArch(Enum):
+    gpt2 = "gpt2"
+    llama = "llama"
+
+
+@dataclass
+class ModelConfig:
+    source: ModelSource = ModelSource.config
+    """`config`: build `arch` with the sizes below, random init; `pretrained`: load `name_or_path`."""
+    arch: ModelArch = ModelArch.gpt2
+    """Architecture for `source=config`."""
+    name_or_path: Optional[str] = None
+    """For `source=pretrained`: a hub id or a local directory holding the model and its tokenizer."""
+    hidden_size: int = 128
+    """Width of the built-in model (`source=config`)."""
+    num_layers: int = 4
+    """Transformer blocks of the built-in model."""
+    num_heads: int = 4
+    """Attention heads of the built-in model (hidden_size must divide by it)."""
+    num_kv_heads: Optional[int] = None
+    """Llama only: key/value heads for grouped-query attention (default: num_heads)."""
+    intermediate_size: int = 512
+    """Width of the built-in model's MLP."""
+    vocab_size: int = 2048
+    """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
+    dropout: float = 0.0
+    """Dropout of the built-in model (attention, residual and embedding)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        if self.lora.enabled and self.source is ModelSource.config:
+            raise ConfigError(
+                "model.lora.enabled=true: the model is built from config with random weights, and LoRA adapts "
+                "trained ones; use model=hf model.name_or_path=<a pretrained model>"
+            )
+        if self.lora.quantize_base is not BaseQuantization.none and not self.lora.enabled:
+            raise ConfigError(f"model.lora.quantize_base={self.lora.quantize_base.value}: only with model.lora.enabled=true")
+        if self.source is ModelSource.pretrained and not self.name_or_path:
+            raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
+        for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            positive(f"model.{name}", getattr(self, name))
+        if self.vocab_size < 260:
+            raise ConfigError(f"model.vocab_size={self.vocab_size}: must be >= 260 (256 bytes + special tokens)")
+        if self.num_kv_heads is not None and (self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads):
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads}: must divide model.num_heads={self.num_heads}"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size}: must be divisible by model.num_heads={self.num_heads}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"model.dropout={self.dropout}: must be in [0, 1)")

@@ -1,0 +1,28 @@
+"""The `tracker` settings: where metrics go besides metrics.jsonl."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from xtrain.core.errors import ConfigError
+
+
+class TrackerKind(Enum):
+    none = "none"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+
+
+@dataclass
+class TrackerConfig:
+    kind: TrackerKind = TrackerKind.none
+    """Where metrics go besides metrics.jsonl; each option of the `tracker` group sets it."""
+    project: str = "xtrain"
+    """Project name for TensorBoard / W&B."""
+    wandb_mode: str = "auto"
+    """`auto`: online when a W&B API key is configured, else offline (files in the run dir)."""
+
+    def __post_init__(self) -> None:
+        if self.wandb_mode not in ("auto", "online", "offline"):
+            raise ConfigError(f"tracker.wandb_mode={self.wandb_mode}: must be one of auto, online, offline")
