@@ -122,7 +122,7 @@ class Run:
         batches = _recording_first_batch(
             sampler.micro_batches(self.accelerator, c.train_loader, p.step * t.grad_accum), self.accelerator, self.result
         )
-        train_start, seen_at_start, stop = time.time(), p.seen, None
+        self.train_start, self.seen_at_start, stop = time.time(), p.seen, None
         c.callbacks.call("on_train_start", p.step, self.result)
         if p.step == 0:
             self.first_eval()
@@ -144,7 +144,7 @@ class Run:
             raise
         finally:
             bar.close()
-        return self.finish(stop, time.time() - train_start, p.seen - seen_at_start)
+        return self.finish(stop)
 
     def identity(self) -> dict:
         return checkpoint.identity(self.cfg, self.c.task)
@@ -298,9 +298,10 @@ class Run:
         if self.accelerator.is_main_process:
             rundir.update_result(self.run_dir, self.result)
 
-    def finish(self, stop: dict | None, wall: float, seen: int) -> dict:
+    def finish(self, stop: dict | None) -> dict:
         """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
         accelerator, result, trainer, c = self.accelerator, self.result, self.cfg.trainer, self.c
+        wall, seen = time.time() - self.train_start, self.progress.seen - self.seen_at_start
         result.update(memory.peaks(accelerator))
         accelerator.end_training()  # destroys the process group: no collective after it
         if accelerator.num_processes > 1:
