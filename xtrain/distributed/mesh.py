@@ -181,11 +181,6 @@ def split_already(accelerator):
         pc.tp_size = tp
 
 
-def tp_rank(accelerator) -> int:
-    mesh = getattr(accelerator, "torch_device_mesh", None)
-    return mesh.get_local_rank("tp") if mesh is not None and "tp" in mesh.mesh_dim_names else 0
-
-
 def data_parallel_size(accelerator) -> int:
     """The ranks that train on different data: the world, less the tensor-parallel copies of each batch."""
     pc = accelerator.parallelism_config
