@@ -74,9 +74,10 @@ def run_xtrain(name: str, extra: list[str], shape: dict, steps: int, block: int,
         *([] if smoke else ["precision=bf16"]), *extra,
     ]
     began = time.time()
+    profile = work / f"{run_dir.name}.profile.json"
+    command = [sys.executable, __file__, "--xtrain-part", str(profile), "--steps", str(steps), "--", *settings]
     try:
-        proc = subprocess.run([sys.executable, "-m", "xtrain", *settings], capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"name": name, "error": f"over {RUN_TIMEOUT_S} s"}
     if proc.returncode != 0:
@@ -91,7 +92,76 @@ def run_xtrain(name: str, extra: list[str], shape: dict, steps: int, block: int,
         "peak_memory_bytes": max(result.get("peak_device_memory_bytes") or result["peak_rss_bytes"]),
         "time_to_first_step_s": result["time_to_first_step_s"], "wall_s": time.time() - began,
         "windows": [rate for _, rate in windows[1:]],  # (the first holds start-up and compilation)
+        "profile": json.loads(profile.read_text()) if profile.exists() else None,
     }
+
+
+PROFILED = 3  # steps whose kernels are timed, ending 2 steps before the last (in the last logged window)
+KINDS = {  # a kernel's kind, by the first of these its name contains
+    "fp8 matmul": ("e4m3", "e5m2", "f8f8", "fp8", "_qrtst_", "_qqtst_"),  # (cuBLAS's fp8 kernels: q for e4m3, r e5m2)
+    "bf16/fp32 matmul": ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm"),
+    "attention": ("flash", "fmha", "attention"),
+    "optimizer": ("adam",),
+    "compiled (triton)": ("triton",),
+}
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((kind for kind, marks in KINDS.items() if any(mark in name for mark in marks)), "other (eager)")
+
+
+def xtrain_profiled(profile: Path, steps: int, settings: list[str]) -> None:
+    """`python -m xtrain` in this process, the GPU kernels of PROFILED steps timed by torch's profiler: per step,
+    the time of each kind of kernel and the top kernels, into `profile` as JSON (on a CPU: its operators). The
+    profiler starts and stops between steps, where xtrain's step clock does not run, and its results are read once
+    the run has ended: the rates xtrain reports keep out what profiling costs, but for the kernels' own tracing."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    import xtrain.engine.loop as loop
+    from xtrain.commands import cli
+
+    first, state = steps - 1 - PROFILED, {}
+    between_steps = loop.Run.log_eval_save
+    gpu = torch.cuda.is_available()
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
+
+    def profiled(run):
+        step = run.progress.step
+        if step == first - 1:
+            sync()
+            state["prof"] = profiler(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU])
+            state["prof"].__enter__()
+            state["began"] = time.perf_counter()
+        elif step == first + PROFILED - 1:
+            sync()
+            state["step_ms"] = (time.perf_counter() - state["began"]) / PROFILED * 1e3
+            state["prof"].__exit__(None, None, None)  # (its results are parsed when first read)
+        return between_steps(run)
+
+    loop.Run.log_eval_save = profiled
+    sys.argv = ["xtrain", *settings]
+    try:
+        cli.main()
+    finally:
+        if "step_ms" in state:
+            kernels = {}
+            for avg in state["prof"].key_averages():
+                if avg.device_type == (DeviceType.CUDA if gpu else DeviceType.CPU):
+                    us = avg.self_device_time_total if gpu else avg.self_cpu_time_total
+                    kernels[avg.key] = kernels.get(avg.key, 0.0) + us / 1e3 / PROFILED
+            kinds = {}
+            for name, ms in kernels.items():
+                kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + ms
+            top = sorted(kernels.items(), key=lambda item: -item[1])[:15]
+            profile.write_text(json.dumps({"step_ms": state["step_ms"], "kernels_ms": sum(kernels.values()),
+                                           "kinds_ms": kinds, "top_ms": top}))
 
 
 def hf_trainer(compile_: bool, shape: dict, steps: int, block: int, batch: int, out: Path, smoke: bool) -> None:
@@ -184,6 +254,24 @@ def table(rows: list[dict], peak: float | None, per_token: float, sheet: float |
     return "\n".join(lines)
 
 
+def breakdown(rows: list[dict]) -> str:
+    """Where xtrain's steps spend the GPU's time: ms per step by kind of kernel, and each run's top kernels."""
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return ""
+    kinds = [*KINDS, "other (eager)"]
+    lines = ["", "", f"GPU time per step by kind of kernel (ms; torch's profiler over {PROFILED} steps near the end):", "",
+             "| run | step (wall) | kernels | " + " | ".join(kinds) + " |", "| --- " * (len(kinds) + 3) + "|"]
+    for r in profiled:
+        p = r["profile"]
+        cells = " | ".join(f"{p['kinds_ms'].get(kind, 0.0):.1f}" for kind in kinds)
+        lines.append(f"| {r['name']} | {p['step_ms']:.1f} | {p['kernels_ms']:.1f} | {cells} |")
+    for r in profiled:
+        lines += ["", f"{r['name']}, top kernels (ms per step):", ""]
+        lines += [f"- {ms:.2f} {name[:140]}" for name, ms in r["profile"]["top_ms"]]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
@@ -191,11 +279,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     parser.add_argument("--only", help="comma-separated run names to run (default: all)")
     parser.add_argument("--hf-part", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--xtrain-part", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("settings", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape, block, batch = (SMOKE, 32, 4) if args.smoke else (SHAPE, BLOCK, BATCH)
     if args.hf_part:
         hf_trainer(args.compile, shape, args.steps, block, batch, args.hf_part, args.smoke)
+        return
+    if args.xtrain_part:
+        xtrain_profiled(args.xtrain_part, args.steps, args.settings)
         return
     chosen = set(args.only.split(",")) if args.only else None
     peak = sheet = None
@@ -231,7 +324,7 @@ def main() -> None:
         if "windows" in r and r["windows"]:
             notes.append(f"{r['name']}: result.json's steady rate / median of its windows after the first: "
                          f"{r['reported_tokens_per_s'] / statistics.median(r['windows']):.3f}")
-    text += "\n\n" + "\n".join(f"- {n}" for n in notes)
+    text += "\n\n" + "\n".join(f"- {n}" for n in notes) + breakdown(rows)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

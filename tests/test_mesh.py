@@ -186,6 +186,22 @@ def test_a_device_too_small_is_refused_with_the_smallest_change_that_fits(tmp_pa
                     8.5: "strategy.activation_checkpointing=true"}
 
 
+def test_before_transformers_has_tp_the_plan_still_counts_what_tp_splits_and_tp_is_refused(monkeypatch):
+    import transformers
+
+    from xtrain.core.errors import ConfigError
+    from xtrain.distributed import mesh
+
+    cfg = compose_run("model=tiny_llama", "strategy=fsdp", "strategy.tp=2", "cluster.num_processes=4")
+    _, facts = model_facts(cfg)
+    owner = next(c for c in transformers.PreTrainedModel.__mro__ if "_expand_parallel_plan" in vars(c))
+    monkeypatch.delattr(owner, "_expand_parallel_plan")  # as in transformers < 5.24
+    _, older = model_facts(cfg)
+    assert older.tp_split == facts.tp_split > 0
+    with pytest.raises(ConfigError, match=r"strategy.tp=2: tensor parallelism here needs transformers >= 5.24"):
+        mesh.check(cfg, older)
+
+
 @pytest.mark.parametrize("overrides,expected", [
     (["strategy=fsdp", "strategy.dp_replicate=3", "cluster.num_processes=4"],
      ["strategy.dp_replicate=3 x strategy.tp=1: does not divide the 4 processes", "product divides 4"]),

@@ -9,6 +9,7 @@ batch. Under DDP and ZeRO every rank is a data-parallel rank of one axis.
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, replace
 
 from xtrain.config.schema import RunConfig, Strategy
@@ -112,6 +113,11 @@ def check(cfg: RunConfig, facts) -> None:
     if world // c.nodes % s.tp:
         raise ConfigError(f"strategy.tp={s.tp}: a tensor-parallel group must lie within a node, and a node has "
                           f"cluster.num_processes={c.processes_per_node}; use strategy.tp dividing it")
+    import transformers
+
+    if not hasattr(transformers.PreTrainedModel, "_expand_parallel_plan"):
+        raise ConfigError(f"strategy.tp={s.tp}: tensor parallelism here needs transformers >= 5.24 (installed: "
+                          f"{transformers.__version__}); upgrade it or use strategy.tp=1")
     if not facts.tp_plan:
         raise ConfigError(f"strategy.tp={s.tp}: {facts.model_class} has no tensor-parallel plan (transformers' "
                           "base_model_tp_plan); use strategy.tp=1, with strategy.dp_replicate to add replicas")
@@ -150,6 +156,10 @@ def tensor_parallel_plan(model) -> dict[str, str]:
     if not plan:
         return {}
     names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_modules()}
+    if not hasattr(model, "_expand_parallel_plan"):  # transformers < 5.24 (no TP here): the split weights, for the plan
+        rules = [(re.compile(re.escape(key).replace(r"\*", r"\d+")), style) for key, style in plan.items()]
+        return {name: style for name in names for rule, style in rules
+                if rule.fullmatch(name.removesuffix(".weight").removesuffix(".bias"))}
     return {name: style for name, style in model._expand_parallel_plan(plan).items() if name in names}
 
 

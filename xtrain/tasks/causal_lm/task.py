@@ -31,6 +31,9 @@ class CausalLM:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.tokenizer = None
+        # with trainer.compile the loss is compiled too: the fp32 upcast, log-softmax and its backward fused, no fp32
+        # copy of the logits kept (the compiled blocks end at the model's output)
+        self.summed_loss = torch.compile(summed_loss) if cfg.trainer.compile else summed_loss
 
     def check(self) -> None:
         """On the driver, before anything launches: the data's files (cheap checks) and a pretrained model's config."""
@@ -96,10 +99,7 @@ class CausalLM:
     def loss(self, model, batch, per) -> torch.Tensor:
         """The batch's summed next-token loss (in fp32) over `per`, the trained tokens one micro-batch of the step
         holds (transformers' own loss does the same given `num_items_in_batch`)."""
-        logits = model(**inputs(batch)).logits
-        shifted = F.pad(targets(batch)[:, 1:], (0, 1), value=IGNORE)
-        return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE,
-                               reduction="sum") / per
+        return self.summed_loss(model(**inputs(batch)).logits, targets(batch)) / per
 
     def eval_losses(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Each sequence's summed next-token loss over its trained tokens, and their number."""
@@ -151,6 +151,12 @@ def inputs(batch: dict) -> dict:
 
 def targets(batch: dict) -> torch.Tensor:
     return batch.get("labels", batch["input_ids"])
+
+
+def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed next-token cross-entropy over the targets (labels other than IGNORE), in fp32."""
+    shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+    return F.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
 def sequence_losses(logits: torch.Tensor, labels: torch.Tensor,
