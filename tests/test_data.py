@@ -202,7 +202,7 @@ def run_lines(proc) -> str:
 
 def test_two_processes_with_a_10_s_timeout_train_on_a_corpus_that_takes_longer_to_prepare(tmp_path, cache):
     """The driver prepares before any worker starts: no rank waits in a collective meanwhile."""
-    write(tmp_path / "c.jsonl", documents(100_000_000, seed=6))
+    write(tmp_path / "c.jsonl", documents(65_000_000, seed=6))
     run_dir = tmp_path / "run"
     proc = run_xtrain(f"run_dir={run_dir}", "data=text", f"data.files=[{tmp_path}/c.jsonl]", "data.num_proc=1",
                       "cluster.num_processes=2", "cluster.timeout_s=10", *TINY)

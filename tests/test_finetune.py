@@ -190,15 +190,15 @@ def test_lora_teaches_smollm2_invented_facts_and_exports_a_merged_model_and_its_
     run_dir = tmp_path / "run"
     proc = run_xtrain(*sft(base, [write_facts(tmp_path / "facts.jsonl", "messages", facts())]),
                       f"run_dir={run_dir}", "model.lora.enabled=true", "data.block_size=128", "trainer.batch_size=4",
-                      "trainer.lr=2e-3", "trainer.max_steps=16", "trainer.warmup_steps=2", "trainer.eval_every=8",
-                      "trainer.save_every=8", "trainer.log_every=4", f"trainer.sample_prompts=[{QUESTION}]",
+                      "trainer.lr=2e-3", "trainer.max_steps=16", "trainer.warmup_steps=2", "trainer.eval_every=16",
+                      "trainer.save_every=16", "trainer.log_every=4", f"trainer.sample_prompts=[{QUESTION}]",
                       "trainer.sample_max_tokens=12")
     result = read_result(run_dir)
     assert result["val_loss"] < 0.5 * result["initial_val_loss"]
     assert result["trainable_parameters"] < 0.05 * result["model_parameters"]
     assert ANSWER in greedy(run_dir / "model", QUESTION)
     samples = [row for row in read_metrics(run_dir) if "sample/0" in row]
-    assert [row["step"] for row in samples] == [0, 8, 16]
+    assert [row["step"] for row in samples] == [0, 16]
     assert ANSWER not in samples[0]["sample/0"] and ANSWER in samples[-1]["sample/0"]
     assert f"step 16 | sample | {QUESTION} -> " in proc.stderr + proc.stdout
 

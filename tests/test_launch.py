@@ -138,10 +138,10 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_
     """Rank 1 never exits after training (injected): the driver stops the tree a minute after the run recorded
     its end, instead of waiting on it for ever. The end: all steps, or a stop at a step boundary (SIGUSR1, as
     SLURM's warning signal: a rank of a 2-node job hung so at its requeue, and its other node waited 5 min).
-    The wait is 60 s; here 5 s (XTRAIN_TEST_LINGER_S), the same behaviour sooner."""
+    The wait is 60 s; here 3 s (XTRAIN_TEST_LINGER_S), the same behaviour sooner."""
     from xtrain.launch.supervisor import LINGER_ENV
 
-    linger = 5
+    linger = 3
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(HANG_AT_EXIT_ON_RANK_1)

@@ -22,11 +22,19 @@ TWO_PROCESSES = [*LONG, "cluster.num_processes=2"]
 
 
 @pytest.fixture(scope="module")
-def two_processes_unbroken(tmp_path_factory) -> Path:
-    """The reference: the same run as a local 2-process run, never stopped."""
+def two_processes_unbroken(tmp_path_factory):
+    """The reference: the same run as a local 2-process run, never stopped. It starts alongside the first test that
+    asks for it (which mostly waits on SLURM); `two_processes_unbroken()` waits for it and gives its run dir."""
     run_dir = tmp_path_factory.mktemp("unbroken") / "run"
-    run_xtrain(f"run_dir={run_dir}", *TWO_PROCESSES)
-    return run_dir
+    proc = start_xtrain(f"run_dir={run_dir}", *TWO_PROCESSES, quiet=True)
+
+    def done() -> Path:
+        if proc.returncode is None:
+            finished(proc)
+        return run_dir
+
+    yield done
+    done()
 
 
 def every_step_once(run_dir: Path, max_steps: int, log_every: int = 1) -> bool:
@@ -83,8 +91,8 @@ def test_scontrol_requeue_without_warning_resumes_from_the_newest_periodic_check
     # first and they finished the step with a checkpoint of it
     assert restart["at_step"] >= 10 and result["steps_lost"] == restart["steps_lost"]
     assert restart["at_step"] % 5 == 0 and restart["steps_lost"] >= 2 or restart["steps_lost"] == 0
-    assert every_step_once(run_dir, 40) and logged(run_dir) == logged(two_processes_unbroken)
-    assert_equal_weights(two_processes_unbroken, run_dir)
+    assert every_step_once(run_dir, 40) and logged(run_dir) == logged(two_processes_unbroken())
+    assert_equal_weights(two_processes_unbroken(), run_dir)
 
 
 def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wandb_run(tmp_path):
@@ -140,7 +148,7 @@ def test_past_max_requeues_a_stop_ends_the_run_with_one_line_and_a_usable_checkp
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["restarts"][0]["at_step"] == step
     assert every_step_once(run_dir, 40)
-    assert_equal_weights(two_processes_unbroken, run_dir)
+    assert_equal_weights(two_processes_unbroken(), run_dir)
 
 
 def test_a_requeued_sweep_point_resumes_its_own_point_and_the_summary_shows_it(tmp_path):

@@ -76,7 +76,7 @@ def test_submitting_from_inside_an_allocation_is_as_from_a_login_node(tmp_path):
 
 
 def test_the_controller_going_away_mid_job_leaves_it_followed_to_its_end(tmp_path, slurm_cluster):
-    """slurmctld stopped while a job trains, and kept away until the job's run has ended and 15 s more (its end
+    """slurmctld stopped while a job trains, and kept away until the job's run has ended and 10 s more (its end
     reported to a controller that does not answer): the command waits (one line says SLURM does not answer),
     xtrain.status says unknown, a new submission is refused in one line; the job is followed to COMPLETED once the
     controller is back, bitwise as unbroken."""
@@ -99,7 +99,7 @@ def test_the_controller_going_away_mid_job_leaves_it_followed_to_its_end(tmp_pat
         while read_result(run_dir)["status"] != "completed":  # the run ends while SLURM is away
             assert time.time() < deadline and read_result(run_dir)["status"] == "running", read_result(run_dir)
             time.sleep(0.5)
-        time.sleep(15)
+        time.sleep(10)
         assert proc.poll() is None  # still following
     finally:
         slurm_cluster.start("slurmctld")
@@ -120,7 +120,9 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_newest_checkpoint_b
     args = [*SLURM, "cluster.nodes=2", "cluster.num_processes=1", "trainer.max_steps=60", "trainer.log_every=1",
             "trainer.eval_every=30", "trainer.save_every=10", "trainer.batch_size=4"]
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
-    run_xtrain(f"run_dir={unbroken}", *args)  # (not alongside: the lost node would take it down too)
+    # the reference, alongside, here (a job would be lost with n2): 2 processes of one CPU thread each, as the job's
+    reference = start_xtrain(f"run_dir={unbroken}", *[a for a in args if not a.startswith("cluster")],
+                             "cluster.num_processes=2", quiet=True)
     proc = start_xtrain(f"run_dir={run_dir}", *args)
     wait_for_step(run_dir, 24, proc, timeout=300)
     job = job_id(run_dir)
@@ -153,4 +155,5 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_newest_checkpoint_b
     assert f"slurm job {job_id(run_dir)}: COMPLETED" in out or (
         result["slurm_state"] == "FAILED" and "its run had completed (result.json) before SLURM ended it FAILED" in out
     ), out[-3000:]
+    finished(reference)
     assert_equal_weights(unbroken, run_dir)

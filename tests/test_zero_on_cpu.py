@@ -8,6 +8,7 @@ group backend differ from a GPU run.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -47,13 +48,24 @@ def ddp(ddp_two_processes) -> Path:
     return ddp_two_processes
 
 
-@pytest.fixture(scope="module", params=["zero1", "zero2", "zero3"])
-def zero(request, tmp_path_factory) -> tuple[str, Path]:
-    root = tmp_path_factory.mktemp(request.param)
-    stale_extension_lock(root / "torch_extensions")
-    run_xtrain(f"run_dir={root / 'run'}", f"strategy={request.param}", *RUN,
-               env={**ZERO_ON_CPU, "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")})
-    return request.param, root / "run"
+@pytest.fixture(scope="module")
+def zero_runs(tmp_path_factory):
+    """`zero_runs(strategy)`: that strategy's run of RUN, made once for the module whichever tests ask for it."""
+
+    @functools.cache
+    def run(strategy: str) -> Path:
+        root = tmp_path_factory.mktemp(strategy)
+        stale_extension_lock(root / "torch_extensions")
+        run_xtrain(f"run_dir={root / 'run'}", f"strategy={strategy}", *RUN,
+                   env={**ZERO_ON_CPU, "TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")})
+        return root / "run"
+
+    return run
+
+
+@pytest.fixture(params=["zero1", "zero2", "zero3"])
+def zero(request, zero_runs) -> tuple[str, Path]:
+    return request.param, zero_runs(request.param)
 
 
 def test_zero_follows_ddp(zero, ddp):
@@ -85,10 +97,10 @@ def test_zero_checkpoints_are_sharded_and_model_is_the_full_final_weights(zero):
     assert model.num_parameters() == read_result(run_dir)["model_parameters"]
 
 
-@pytest.mark.parametrize("zero", ["zero2", "zero3"], indirect=True)  # zero1 saves and loads as zero2 does
-def test_zero_resume_continues_exactly(tmp_path, zero):
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])  # zero1 saves and loads as zero2 does
+def test_zero_resume_continues_exactly(tmp_path, zero_runs, strategy):
     """From the step-10 checkpoint into a fresh run dir: steps 11-20 repeat the unbroken run exactly."""
-    strategy, unbroken = zero
+    unbroken = zero_runs(strategy)
     resumed = zero_run(tmp_path / "run", strategy, f"resume={unbroken / 'checkpoints' / 'step_00000010'}")
     assert read_result(resumed)["resumed_from"] == str(unbroken / "checkpoints" / "step_00000010")
 
@@ -99,13 +111,12 @@ def test_zero_resume_continues_exactly(tmp_path, zero):
     assert after_10(resumed) == after_10(unbroken)
 
 
-@pytest.mark.parametrize("zero", ["zero3"], indirect=True)
-def test_compiled_zero3_follows_eager_under_eagers_names(tmp_path, zero):
+def test_compiled_zero3_follows_eager_under_eagers_names(tmp_path, zero_runs):
     """Accelerate compiles the engine's module in place (measured: 1e-6 relative to eager ZeRO-3)."""
     from safetensors.torch import load_file
 
-    strategy, eager = zero
-    compiled = zero_run(tmp_path / "run", strategy, "trainer.compile=true")
+    eager = zero_runs("zero3")
+    compiled = zero_run(tmp_path / "run", "zero3", "trainer.compile=true")
     assert read_result(compiled)["compiled_regions"] >= 4
     assert train_losses(compiled) == pytest.approx(train_losses(eager), rel=1e-5)
     assert load_file(compiled / "model" / "model.safetensors").keys() == load_file(eager / "model" / "model.safetensors").keys()
