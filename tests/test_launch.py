@@ -233,6 +233,16 @@ def test_signal_to_the_driver_stops_every_worker(tmp_path, started, sig, times):
     assert read_result(run_dir)["status"] == "interrupted"
 
 
+def test_torchruns_port_is_drawn_below_the_kernels_ephemeral_range():
+    """Not a port the kernel may meanwhile give the local end of an outgoing connection: a run's torchrun once
+    failed to listen (EADDRINUSE) on the port the kernel had just called free, taken by another run's gloo."""
+    from xtrain.launch.supervisor import ephemeral_ports, free_port
+
+    low, _ = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports) and len(ports) > 1
+
+
 def test_two_runs_at_once_on_one_machine_do_not_collide(tmp_path, started):
     """Each local launch picks a free rendezvous port."""
     runs = [tmp_path / "a", tmp_path / "b"]

@@ -11,6 +11,7 @@ ask the workers to stop at a step boundary with a checkpoint (xtrain/core/stoppi
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -39,9 +40,31 @@ def linger_s() -> float:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    """A port nothing listens on, for torchrun's rendezvous, drawn below the kernel's ephemeral range: a port the
+    kernel hands out (port 0) is one it also gives the local end of outgoing connections, and one of those (a gloo
+    connection of another run on this machine) could take it before torchrun listens on it."""
+    low = ephemeral_ports()[0]
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 10_000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is full: any free port
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes the local ports of outgoing connections from (Linux; others: IANA's)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def threads_per_process(processes: int) -> int:
