@@ -96,7 +96,7 @@ def test_the_experiment_in_the_users_config_dir_is_the_same_run(digits_run, proj
     assert_equal_weights(digits_run, run_dir)
 
 
-def test_load_model_returns_the_trained_module_whose_accuracy_the_run_recorded(digits_run, project):
+def test_load_model_returns_the_trained_module_whose_accuracy_the_run_recorded(digits_run, project, tmp_path):
     import xtrain
 
     model = xtrain.load_model(digits_run)
@@ -108,6 +108,13 @@ def test_load_model_returns_the_trained_module_whose_accuracy_the_run_recorded(d
         predicted = model(val.images).argmax(dim=1)
     assert (predicted == val.labels).double().mean().item() == pytest.approx(read_result(digits_run)["val_accuracy"],
                                                                               abs=1e-12)
+    # `python -m xtrain.export`: the last checkpoint as safetensors and the model's node, loadable the same way
+    from xtrain.commands.export import main
+
+    main([str(digits_run), f"out={tmp_path / 'exported'}"])
+    exported = xtrain.load_model(tmp_path / "exported")
+    with torch.no_grad():
+        assert torch.equal(exported(val.images), model(val.images))
 
 
 def test_a_custom_run_killed_and_resumed_ends_bitwise_equal_with_its_best_values(digits_run, project, tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import assert_one_line_error, run_xtrain, xtrain_in_process
+from xtrain.distributed import cpu_seams
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -102,15 +103,16 @@ def test_resume_from_a_checkpoint_of_another_model(short_run, tmp_path):
     assert not (tmp_path / "other").exists()
 
 
-def test_resume_under_another_strategy_is_refused(short_run, tmp_path):
+def test_a_zero_run_refuses_a_checkpoint_it_cannot_read_in_one_line(short_run, tmp_path):
+    """A checkpoint moves to DDP and FSDP at any world (test_moves.py); a ZeRO run reads only its own stage's at the
+    world that wrote it: refused before anything starts, saying what would work."""
     checkpoint = sorted((short_run / "checkpoints").iterdir())[-1]
-    copy = tmp_path / "step"
-    shutil.copytree(checkpoint, copy)
-    state = json.loads((copy / "xtrain_state.json").read_text())
-    (copy / "xtrain_state.json").write_text(json.dumps({**state, "strategy": "zero2"}))
-    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", f"resume={copy}", "trainer.max_steps=20", check=False)
-    assert_one_line_error(proc, f"resume={copy}", "written with strategy=zero2", "this run uses strategy=ddp",
-                          "resume with strategy=zero2")
+    before = snapshot(short_run)
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "strategy=zero2", f"resume={checkpoint}",
+                             "trainer.max_steps=20", check=False, env={cpu_seams.ZERO_ON_CPU_ENV: "1"})
+    assert_one_line_error(proc, f"resume={checkpoint}", "written with strategy=ddp on 1 process(es) cannot continue "
+                          "under strategy=zero2 on 1", "resume with strategy=ddp or strategy=fsdp")
+    assert snapshot(short_run) == before and not (tmp_path / "run").exists()
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="fp16 is refused only where there is no CUDA GPU")

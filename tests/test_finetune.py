@@ -318,6 +318,23 @@ def test_lora_under_sharding_saves_the_whole_adapter_and_resumes_exactly(tmp_pat
     assert all(torch.equal(again[key], got[key]) for key in got)
 
 
+def test_export_of_a_lora_checkpoint_is_the_merged_model_with_its_adapter(one_process_lora, tmp_path):
+    """`python -m xtrain.export`: the checkpoint (the adapter alone) on the pretrained base, as model/ and adapter/."""
+    from transformers import AutoModelForCausalLM
+
+    from xtrain.commands.export import main
+
+    one, _ = one_process_lora
+    main([str(one), "step=8", f"out={tmp_path / 'exported'}"])
+    got, expected = adapter(tmp_path / "exported"), adapter(one)
+    assert got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in expected)
+    ids = torch.arange(40).reshape(2, 20)
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")(ids).logits
+        final = AutoModelForCausalLM.from_pretrained(one / "model")(ids).logits
+    torch.testing.assert_close(merged, final, rtol=0, atol=1e-5)
+
+
 def varied_answers(path: Path) -> Path:
     """Examples whose answers run from 1 to 40 words: micro-batches of them hold very different numbers of trained
     tokens."""

@@ -1,12 +1,15 @@
 """Beyond one sharding axis, on 4 CPU processes over gloo (the FSDP2 seam): HSDP (2 replicas x 2 shards) and
 FSDP2 x TP (2 shards x 2-way TP) of the built-in Llama against 4-process DDP on the same effective batch; each
-rank's share of the weights; kill -9 and SIGTERM resumes of the TP mesh; the export; the plan's mesh and memory;
+rank's share of the weights; kill -9 and SIGTERM resumes of the TP mesh; a run that moves from the HSDP mesh to 2 and
+1 processes, and from the TP mesh to 1; `python -m xtrain.export` of their checkpoints; the plan's mesh and memory;
 every refusal before launch."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,6 +126,116 @@ def test_a_tp_mesh_resumes_bitwise_after_kill_9_and_after_sigterm(tmp_path, fsdp
     assert result["status"] == "completed" and [r["at_step"] for r in result["restarts"]] == [4, step]
     assert curve(run) == curve(fsdp_tp)
     assert_equal_weights(run, fsdp_tp)
+
+
+def killed_after(run_dir: Path, step: int, into: Path) -> Path:
+    """`run_dir` as a kill right after step `step`'s checkpoint would have left it."""
+    shutil.copytree(run_dir, into)
+    for later in (into / "checkpoints").iterdir():
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    return into
+
+
+def losses_after(run_dir: Path, step: int) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r and r["step"] > step}
+
+
+def moved_run(run_dir: Path, processes: int, *overrides: str) -> Path:
+    """`run_dir` resumed on `processes` processes (RUN's other settings: the same command, another world)."""
+    same = [arg for arg in RUN if not arg.startswith("cluster.num_processes=")]
+    run_xtrain(f"run_dir={run_dir}", *same, f"cluster.num_processes={processes}", "trainer.batch_size=4", *overrides,
+               "resume=auto", env=SEAM)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def moves(hsdp, tmp_path_factory):
+    """The resume guide's chain: the HSDP run (4 processes, 2 replicas x 2 shards) killed after step 4, continued
+    under FSDP2 on 2 processes (checkpoints every 2 steps), killed after step 6, continued under DDP on 1."""
+    tmp = tmp_path_factory.mktemp("moves")
+    two = moved_run(killed_after(hsdp, 4, tmp / "two"), 2, "strategy=fsdp", "trainer.save_every=2")
+    one = moved_run(killed_after(two, 6, tmp / "one"), 1, "strategy=ddp")
+    return two, one
+
+
+def test_a_run_moves_from_4_processes_to_2_to_1_and_from_fsdp2_to_ddp(hsdp, moves):
+    """The effective batch stays 16 (grad_accum 1 -> 2 -> 4); every loss after a move follows the unbroken run's
+    (measured 1e-7 relative: only the order of float sums differs), and so do the final weights."""
+    two, one = moves
+    assert read_result(two)["restarts"][-1]["moved"] == {"world": [4, 2], "grad_accum": [1, 2]}
+    result = read_result(one)
+    assert result["restarts"][-1]["moved"] == {"world": [2, 1], "strategy": ["fsdp", "ddp"], "grad_accum": [2, 4]}
+    assert result["restarts"][-1]["changed"]["trainer.grad_accum"] == [2, 4]
+    run_yaml = (one / "run.yaml").read_text()
+    assert "grad_accum: 4" in run_yaml and "name: ddp" in run_yaml  # what trains now
+    assert result["status"] == "completed" and result["steps"] == 8 and result["world_size"] == 1
+    unbroken = losses_after(hsdp, 4)
+    for resumed, after in ((two, 4), (one, 6)):
+        got = losses_after(resumed, after)
+        assert sorted(got) == [step for step in sorted(unbroken) if step > after]
+        assert got == pytest.approx({step: unbroken[step] for step in got}, rel=1e-5, abs=0)
+    seen = {r["step"]: r["train/tokens_seen"] for r in read_metrics(one) if "train/tokens_seen" in r}
+    assert seen[8] == 8 * 16 * 128
+    final, expected = model_weights(one), model_weights(hsdp)
+    assert final.keys() <= expected.keys() and len(final) > 10  # (FSDP's model/ also names the tied lm_head)
+    for name in final:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_tp_mesh_checkpoint_continues_on_one_process(fsdp_tp, tmp_path):
+    """FSDP2 x TP (2 shards x 2-way TP, micro-batches of 8) to one DDP process: grad_accum 1 -> 2 keeps 16 a step."""
+    run_dir = killed_after(fsdp_tp, 4, tmp_path / "run")
+    same = [arg for arg in RUN if not arg.startswith("cluster.num_processes=")]
+    run_xtrain(f"run_dir={run_dir}", *same, "cluster.num_processes=1", "trainer.batch_size=8", "resume=auto")
+    assert read_result(run_dir)["restarts"][-1]["moved"] == {"world": [4, 1], "strategy": ["fsdp", "ddp"],
+                                                             "grad_accum": [1, 2]}
+    unbroken = losses_after(fsdp_tp, 4)
+    assert losses_after(run_dir, 4) == pytest.approx(unbroken, rel=1e-5, abs=0)
+
+
+def test_a_world_that_cannot_keep_the_effective_batch_is_refused_in_one_line(hsdp, tmp_path):
+    run_dir = killed_after(hsdp, 4, tmp_path / "run")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    same = [arg for arg in RUN if not arg.startswith("cluster.num_processes=")]
+    proc = xtrain_in_process(f"run_dir={run_dir}", *same, "cluster.num_processes=3", "trainer.batch_size=4",
+                             "resume=auto", check=False)
+    assert_one_line_error(proc, "resume=auto", "trained with an effective batch of 16 (trainer.batch_size 4 x 4 "
+                          "data-parallel processes x trainer.grad_accum 1); 3 processes cannot keep it",
+                          "divides 4")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def logits(model_dir: Path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits
+
+
+def test_export_makes_a_hugging_face_model_of_any_checkpoint(hsdp, moves, tmp_path, capsys):
+    """The newest checkpoint of the FSDP2 leg (2 processes' shards) is its model/; the HSDP mesh's step 4 (4 ranks'
+    shards) is what torch's own tool makes of its distributed checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from xtrain.commands.export import main
+
+    two, _ = moves
+    main([str(two)])
+    out = two / "exports" / "step_00000008"
+    assert f"exported {two / 'checkpoints' / 'step_00000008'} to {out}" in capsys.readouterr().out
+    torch.testing.assert_close(logits(out), logits(two / "model"), rtol=0, atol=1e-5)
+
+    main([str(hsdp), "step=4", f"out={tmp_path / 'at4'}"])
+    dcp_to_torch_save(hsdp / "checkpoints" / "step_00000004" / "pytorch_model_fsdp_0", tmp_path / "at4.pt")
+    merged = torch.load(tmp_path / "at4.pt", weights_only=True)["model"]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "at4").state_dict()
+    assert exported.keys() <= merged.keys()
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, merged[name]), name
+    assert not torch.allclose(logits(tmp_path / "at4"), logits(hsdp / "model"))
 
 
 def test_the_plans_estimate_against_each_ranks_measured_peak(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,33 @@ def test_zero_resume_continues_exactly(tmp_path, zero_runs, strategy):
                 for r in read_metrics(run_dir) if r["step"] > 10]
 
     assert after_10(resumed) == after_10(unbroken)
+
+
+def test_a_zero3_checkpoint_continues_under_ddp_and_exports_the_runs_model(tmp_path, zero_runs):
+    """DeepSpeed's universal checkpoint, read whole: ZeRO-3 on 2 processes continues on 1 under DDP (grad_accum 2 ->
+    4 keeps the effective batch) along the unbroken ZeRO-3 run; its last checkpoint exports to the run's model/."""
+    from transformers import AutoModelForCausalLM
+
+    from xtrain.commands.export import main
+
+    unbroken = zero_runs("zero3")
+    run_dir = tmp_path / "run"
+    shutil.copytree(unbroken, run_dir, ignore=shutil.ignore_patterns("step_00000020"))
+    one = [arg for arg in RUN if not arg.startswith("cluster.num_processes=")]
+    run_xtrain(f"run_dir={run_dir}", "strategy=ddp", *one, "resume=auto")
+    result = read_result(run_dir)
+    assert result["restarts"][-1]["moved"] == {"world": [2, 1], "strategy": ["zero3", "ddp"], "grad_accum": [2, 4]}
+    after = {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r and r["step"] > 10}
+    expected = {r["step"]: r["train/loss"] for r in read_metrics(unbroken) if "train/loss" in r and r["step"] > 10}
+    assert after == pytest.approx(expected, rel=1e-5)  # measured 7e-8
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010", "step_00000020"]
+
+    main([str(unbroken), f"out={tmp_path / 'exported'}"])
+    ids = torch.arange(128).reshape(2, 64)
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")(ids).logits
+        final = AutoModelForCausalLM.from_pretrained(unbroken / "model")(ids).logits
+    torch.testing.assert_close(exported, final, rtol=0, atol=1e-5)
 
 
 def test_compiled_zero3_follows_eager_under_eagers_names(tmp_path, zero_runs):

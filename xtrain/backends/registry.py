@@ -6,15 +6,18 @@ from xtrain.backends.base import Backend
 from xtrain.config.cluster import ClusterKind
 from xtrain.config.schema import RunConfig
 from xtrain.distributed import mesh
+from xtrain.engine import checkpoint
 from xtrain.launch import hardware
 
 
 def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
     """Every `auto` of a composed config made concrete, as run.yaml records it: the backend's, then
     `num_processes` (one per GPU of a node; of a `parallel`th of this machine's GPUs for a sweep's points
-    run that many at a time), `trainer.fused_optimizer`, `strategy.dp_replicate` (one replica per node)."""
-    return mesh.resolve(hardware.resolve_fused(hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg),
-                                                                          parallel)))
+    run that many at a time), `trainer.fused_optimizer`, `strategy.dp_replicate` (one replica per node); a resume
+    on another number of processes: the `trainer.grad_accum` that keeps the checkpoint's effective batch."""
+    cfg = mesh.resolve(hardware.resolve_fused(hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg),
+                                                                         parallel)))
+    return checkpoint.keep_effective_batch(cfg)
 
 
 def backend_for(kind: ClusterKind) -> Backend:

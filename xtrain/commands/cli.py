@@ -48,6 +48,19 @@ def register_schemas() -> None:
         store.store(group=f"schema/{group}", name="base", node=node)  # extended by xtrain/conf/<group>/*.yaml
 
 
+def command_argv(doc: str, argv: list[str] | None) -> list[str] | None:
+    """A `python -m xtrain.<command>`'s arguments (sys.argv's by default), or None where it printed its help (its
+    module's `doc`); the files it writes are private to the user (`keep_private`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if {"--help", "-h"} & set(argv):
+        print(doc.strip().strip('"'))
+        return None
+    from xtrain.core.files import keep_private
+
+    keep_private()
+    return argv
+
+
 def fail(message: str) -> None:
     print(f"xtrain: error: {message}", file=sys.stderr)
     sys.exit(2)

@@ -18,7 +18,7 @@ from xtrain.commands import cli
 from xtrain.config import schema
 from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, LaunchFailed
-from xtrain.core.files import keep_private, write_atomic
+from xtrain.core.files import write_atomic
 from xtrain.tasks.exports import NotCompleted
 
 EVAL_FILE = "eval.json"
@@ -154,11 +154,9 @@ def launch(run_dir: Path, processes: int, argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if {"--help", "-h"} & set(argv):
-        print(__doc__.strip().strip('"'))
+    argv = cli.command_argv(__doc__, argv)
+    if argv is None:
         return
-    keep_private()
     worker = argv[:1] == ["--worker"]
     argv = argv[1:] if worker else argv
     try:

@@ -228,7 +228,7 @@ def keep_evals_until(run_dir: Path, step: int) -> None:
             path.unlink()
 
 
-def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None) -> dict:
+def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None, moved: dict | None = None) -> dict:
     """What a run resumed in its own run dir carries over from the attempt before: its restarts, one more.
     Steps lost: those trained after the checkpoint resumed from (as far as metrics.jsonl shows them)."""
     before = read_result(run_dir)
@@ -243,6 +243,8 @@ def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None =
     }
     if changed:  # settings that differ from the checkpoint's: {setting: [old, new]}
         restart["changed"] = changed
+    if moved:  # another world or strategy than the checkpoint's: {"world": [4, 2], "strategy": [...], "grad_accum": ...}
+        restart["moved"] = moved
     if os.environ.get("SLURM_JOB_ID"):  # a sweep's point: <array job>_<task>, as slurm.json has it
         array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
         restart["slurm_job"] = "_".join(array) if all(array) else os.environ["SLURM_JOB_ID"]

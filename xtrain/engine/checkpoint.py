@@ -11,13 +11,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import replace_dir
+from xtrain.config import schema
+from xtrain.distributed import mesh
+from xtrain.engine import reshard
 from xtrain.core.rundir import CHECKPOINT_NAME, CHECKPOINT_STATE, checkpoint_name, checkpoints_dir, complete_checkpoints
+
+log = logging.getLogger("xtrain")
+
 
 def newest(run_dir: str | Path) -> Path | None:
     found = complete_checkpoints(run_dir)
@@ -29,15 +36,17 @@ def read_state(path: str | Path) -> dict:
 
 
 def identity(cfg, task=None) -> dict:
-    """What a checkpoint must match to be resumed by this run: the model and the strategy that wrote it (`task`:
-    the run's, where it has one already)."""
+    """What a checkpoint records of the run that wrote it: the model (a resume must match it), the strategy and the
+    number of processes (a resume may move them: reshard.py) (`task`: the run's, where it has one already)."""
     from xtrain.tasks.registry import task_for
 
-    return {**(task or task_for(cfg)).identity(), "strategy": cfg.strategy.name.value}
+    return {**(task or task_for(cfg)).identity(), "strategy": cfg.strategy.name.value,
+            "processes": cfg.cluster.world_size}
 
 
-def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:
-    """The checkpoint to resume from (None: fresh start), checked against this run's `identity`."""
+def resolve(resume: str, run_dir: str | Path, expected: dict, cfg) -> Path | None:
+    """The checkpoint to resume from (None: fresh start), checked against this run's `identity`: the same model, and
+    one that can move to this run's strategy and world."""
     if resume == "none":
         return None
     if resume == "auto":
@@ -62,12 +71,27 @@ def resolve(resume: str, run_dir: str | Path, expected: dict) -> Path | None:
         differ = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         detail = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {wanted.get(k)!r}" for k in differ)
         raise ConfigError(f"resume={resume}: checkpoint of another model ({detail}); resume with the same model settings")
-    if state.get("strategy") != expected["strategy"]:
-        raise ConfigError(
-            f"resume={resume}: checkpoint written with strategy={state.get('strategy')}, this run uses "
-            f"strategy={expected['strategy']}; resume with strategy={state.get('strategy')}"
-        )
+    why = reshard.refusal(path, state, cfg, cfg.model.lora.enabled)
+    if why:
+        raise ConfigError(f"resume={resume}: {why}")
     return path
+
+
+def keep_effective_batch(cfg):
+    """`cfg`, resuming: with the grad_accum that keeps its checkpoint's effective batch on this run's processes
+    (resume.py)."""
+    from xtrain.engine import resume
+
+    path = resolve(cfg.resume, cfg.run_dir, identity(cfg), cfg)
+    if path is None:
+        return cfg
+    recorded = read_state(path).get("config")
+    kept = resume.keep_effective_batch(cfg, recorded, f"resume={cfg.resume}: {path}")
+    if kept.trainer.grad_accum != cfg.trainer.grad_accum:
+        log.info("resume: %d data-parallel processes (the checkpoint's: %d): trainer.grad_accum %d -> %d keeps its "
+                 "effective batch of %d", mesh.of(cfg).data_parallel, mesh.of(schema.from_container(recorded)).data_parallel,
+                 cfg.trainer.grad_accum, kept.trainer.grad_accum, resume.effective_batch(kept))
+    return kept
 
 
 def remove_partial(run_dir: str | Path) -> None:
@@ -109,8 +133,13 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, on
     return final
 
 
-def load(accelerator, path: Path, only_trainable: bool = False) -> None:
-    """Every rank: restore model, optimizer, schedule, samplers and RNGs from `path`."""
+def load(accelerator, path: Path, cfg) -> None:
+    """Every rank: restore model, optimizer, schedule, samplers and RNGs from `path`, written by this run's strategy
+    and world or (reshard.py) another's."""
+    if not reshard.native(path, read_state(path), cfg):
+        reshard.load_moved(accelerator, path)
+        return
+    only_trainable = cfg.model.lora.enabled
     with _fsdp_adapter_only(accelerator, only_trainable):
         accelerator.load_state(str(path), **_frozen_kwargs(accelerator, only_trainable, saving=False))
 

@@ -79,7 +79,8 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
             model, optimizer, train_loader, val_loader, scheduler
         )
     test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
-    sampler.lean(train_loader)  # the same order, without a Python list of every epoch
+    # the same order at any world size, without a Python list of every epoch
+    sampler.lean(train_loader, t.batch_size * t.grad_accum * mesh.data_parallel_size(accelerator))
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,

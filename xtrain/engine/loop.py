@@ -29,7 +29,7 @@ from xtrain.core import machine, memory, rundir, stopping
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
 from xtrain.distributed import mesh, plugins
-from xtrain.engine import checkpoint, evaluation, pruning, reporting, resume, sampler, tracking
+from xtrain.engine import checkpoint, evaluation, pruning, reporting, reshard, resume, sampler, tracking
 from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
 from xtrain.engine.components import build_components
@@ -96,7 +96,7 @@ class Run:
         set_seed(cfg.trainer.seed)
         task = task_for(cfg)
         self.resumed_from = checkpoint.resolve(resume_setting(cfg.resume, run_dir), run_dir,
-                                               checkpoint.identity(cfg, task))
+                                               checkpoint.identity(cfg, task), cfg)
         if accelerator.is_main_process:
             checkpoint.remove_partial(run_dir)
         self.c = c = build_components(cfg, accelerator, task)
@@ -156,10 +156,11 @@ class Run:
         cfg, c, accelerator, path = self.cfg, self.c, self.accelerator, self.resumed_from
         direction = c.task.directions().get(cfg.trainer.monitor)
         self.progress = Progress(step=0, seen=0, skipped=0, monitor=Monitor.of(cfg.trainer, direction))
-        last_logged, changed = 0, {}
+        last_logged, changed, self.moved = 0, {}, {}
         if path is not None:
-            checkpoint.load(accelerator, path, only_trainable=cfg.model.lora.enabled)
+            checkpoint.load(accelerator, path, cfg)
             state = checkpoint.read_state(path)
+            accelerator.step = state["step"] * cfg.trainer.grad_accum  # (micro-batches: another world has another)
             window = state.get("log_window", {})  # a stop between two log lines: the next one covers both parts
             self.progress = Progress(
                 step=state["step"], seen=state.get("seen", state.get("tokens_seen", 0)),
@@ -167,6 +168,9 @@ class Run:
                 window=reporting.Window(loss_sum=window.get("loss_sum", 0.0), steps=window.get("steps", 0)),
                 best=state.get("best", {}), monitor=Monitor.of(cfg.trainer, direction, state.get("monitor")),
             )
+            self.moved = reshard.moved(path, state, cfg)
+            if self.moved:
+                log.info("resumed on another world: %s", reshard.moved_text(self.moved))
             found = resume.changes(state["config"], schema.to_container(cfg)) if "config" in state else []
             if any(change.trains for change in found):  # (preflight refused what cannot apply)
                 set_hyperparameters(c.optimizer, c.scheduler, cfg)
@@ -193,9 +197,11 @@ class Run:
                 result.update({key: kept[key] for key in ("model_eval", "model_test") if key in kept})
         if self.accelerator.is_main_process:
             if self.resumed_from is not None and self.resumed_from.parent == rundir.checkpoints_dir(run_dir):
-                result.update(rundir.continued(run_dir, p.step, last_logged, changed))
+                result.update(rundir.continued(run_dir, p.step, last_logged, changed, self.moved))
             elif changed:  # resumed from another run's checkpoint
                 result["changed_from_checkpoint"] = changed
+                if self.moved:
+                    result["moved_from_checkpoint"] = self.moved
             rundir.update_result(run_dir, result, fresh=True)
 
     def progress_bar(self):

@@ -7,18 +7,25 @@ Each checkpoint records the config it was trained with (`xtrain_state.json`). Re
 - settings that change what trains are refused in one line that lists each as old -> new; with
   `resume_changes=apply` the optimizer's and the schedule's (`APPLICABLE`) take effect from the resumed step on
   (the loop sets them on the restored optimizer), and the restart entry in result.json records them;
-- anything else (the batch, the data, the world size, the model) cannot change within one run: a new run_dir.
+- the number of processes and the strategy are where it runs (reshard.py moves the checkpoint): the effective batch
+  (batch_size x data-parallel processes x grad_accum) stays the checkpoint's, `grad_accum` set to keep it
+  (`keep_effective_batch`), or the move is refused in one line where it cannot be kept;
+- anything else (the batch, the data, the model) cannot change within one run: a new run_dir.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from xtrain.config import schema
+from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
+from xtrain.distributed import mesh
 
 # Settings (a dotted name, or a prefix ending in ".") a resume may change freely: when things happen, where they
-# run, how they are watched. The world size is not among them: cluster.nodes x cluster.num_processes is the batch.
+# run, how they are watched. (The world, with the effective batch kept: `keep_effective_batch`.)
 CADENCE_OR_PLACEMENT = (
+    "cluster.nodes", "cluster.num_processes", "strategy.",
     "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
     "trainer.sample_prompts", "trainer.sample_max_tokens", "trainer.monitor", "trainer.monitor_direction",
     "trainer.export", "trainer.early_stop_patience", "trainer.early_stop_min_delta", "tracker.", "task.code_dir", "data.num_proc", "data.cache_dir",
@@ -55,6 +62,7 @@ class Change:
     key: str
     old: object
     new: object
+    kept_batch: bool = False  # grad_accum, changed with the world so that the effective batch is the same
 
     def __str__(self) -> str:
         return f"{self.key} {self.old!r} -> {self.new!r}"
@@ -62,18 +70,53 @@ class Change:
     @property
     def trains(self) -> bool:
         """It changes what trains (not only when or where)."""
+        if self.kept_batch:
+            return False
         return not any(self.key == c or (c.endswith(".") and self.key.startswith(c)) for c in CADENCE_OR_PLACEMENT)
 
 
-def changes(recorded: dict, now: dict, prefix: str = "") -> list[Change]:
-    """Every setting whose value differs between two configs (as plain containers)."""
+def effective_batch(cfg: RunConfig) -> int:
+    return cfg.trainer.batch_size * cfg.trainer.grad_accum * mesh.of(cfg).data_parallel
+
+
+def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> RunConfig:
+    """`cfg` resumed from a checkpoint trained with `recorded`: with the grad_accum that keeps the checkpoint's
+    effective batch on this run's data-parallel processes (a ConfigError where no whole grad_accum does). The
+    command's own grad_accum is where it trained first; the effective batch cannot change within a run."""
+    if recorded is None:
+        return cfg
+    saved, t = schema.from_container(recorded), cfg.trainer
+    before, now = mesh.of(saved).data_parallel, mesh.of(cfg).data_parallel
+    if t.batch_size != saved.trainer.batch_size or effective_batch(cfg) == effective_batch(saved):
+        return cfg  # (another batch size: a change of what trains, refused by `changes`)
+    effective = effective_batch(saved)
+    if effective % (t.batch_size * now):
+        raise ConfigError(
+            f"{what} trained with an effective batch of {effective} (trainer.batch_size {t.batch_size} x {before} "
+            f"data-parallel processes x trainer.grad_accum {saved.trainer.grad_accum}); {now} processes cannot keep it "
+            f"(no whole grad_accum): use a number of data-parallel processes that divides {effective // t.batch_size}"
+        )
+    return replace(cfg, trainer=replace(t, grad_accum=effective // (t.batch_size * now)))
+
+
+def changes(recorded: dict, now: dict) -> list[Change]:
+    """Every setting whose value differs between two configs (as plain containers); a grad_accum that keeps the
+    effective batch on another world is where it runs, not what trains."""
+    found = _differences(recorded, now)
+    if any(c.key == "trainer.grad_accum" for c in found):
+        same = effective_batch(schema.from_container(recorded)) == effective_batch(schema.from_container(now))
+        found = [replace(c, kept_batch=same) if c.key == "trainer.grad_accum" else c for c in found]
+    return found
+
+
+def _differences(recorded: dict, now: dict, prefix: str = "") -> list[Change]:
     found = []
     for key in sorted(set(recorded) | set(now)):
         old, new = recorded.get(key), now.get(key)
         if key not in recorded and ADDED.get(f"{prefix}{key}", ...) == new:
             continue
         if isinstance(old, dict) and isinstance(new, dict) and key != "sbatch_args":
-            found += changes(old, new, f"{prefix}{key}.")
+            found += _differences(old, new, f"{prefix}{key}.")
         elif old != new:
             found.append(Change(f"{prefix}{key}", old, new))
     return found

@@ -5,6 +5,11 @@ it: every epoch's order is a function of `trainer.seed` and the epoch, the same 
 Its draw is torch's `RandomSampler.__iter__`, which makes a Python list of the whole epoch's permutation: ~36 bytes
 per example, ~150 MB a rank for 4M blocks. `lean` swaps in a subclass that draws the same permutation and keeps it
 a tensor (8 bytes per example), handed out a chunk at a time. Checkpoints pickle it as they pickle Accelerate's.
+
+An epoch is the first `examples // effective batch` whole optimizer steps of that permutation, the same at any number
+of processes that keeps the effective batch: micro-batch i of rank r is the permutation's batch i x processes + r, so
+a run resumed at another world size continues at the same example (`micro_batches` skips steps x grad_accum of its
+own micro-batches) and no step spans two epochs.
 """
 
 from __future__ import annotations
@@ -32,11 +37,15 @@ class LeanSeedableRandomSampler(SeedableRandomSampler):
         self.set_epoch(self.epoch + 1)
 
 
-def lean(loader) -> None:
-    """Give a prepared train loader (Accelerate's DataLoaderShard) the lean form of its seedable sampler."""
+def lean(loader, effective_batch: int) -> None:
+    """Give a prepared train loader (Accelerate's DataLoaderShard) the lean form of its seedable sampler, its epoch
+    whole steps of `effective_batch` examples (where the data holds one; else whole rounds of the ranks' batches)."""
     sampler = loader.get_sampler()
     assert type(sampler) is SeedableRandomSampler, type(sampler)
-    replacement = LeanSeedableRandomSampler(sampler.data_source, num_samples=sampler._num_samples,
+    n = len(sampler.data_source)
+    per_round = loader.total_batch_size  # (per-rank batch x ranks that take their own)
+    epoch = n // effective_batch * effective_batch or n // per_round * per_round
+    replacement = LeanSeedableRandomSampler(sampler.data_source, num_samples=epoch,
                                             generator=sampler.generator, data_seed=sampler.initial_seed)
     replacement.epoch = sampler.epoch
     loader.set_sampler(replacement)

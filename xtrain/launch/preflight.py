@@ -68,7 +68,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     mesh.check(cfg, facts)
     if not planning:  # (a dry run's plan shows what does not fit)
         plan.check_fits(cfg)
-    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg))
+    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
         if state["step"] >= cfg.trainer.max_steps:

@@ -13,11 +13,14 @@ def load_model(run_dir: str | Path, incomplete: bool = False):
     """The trained module: a model by `_target_` built from its recorded node with the trained weights loaded;
     a transformers model through `AutoModelFor{SequenceClassification,ImageClassification,CausalLM}.from_pretrained`
     as its config names it. A run that has not completed (failed, stopped, pruned, still running) is refused in one
-    line; `incomplete=True` loads what its `model/` holds (with `trainer.export=best`, the best eval's so far)."""
+    line; `incomplete=True` loads what its `model/` holds (with `trainer.export=best`, the best eval's so far).
+    `run_dir` may be a model directory itself (`python -m xtrain.export`'s)."""
     from xtrain.core import rundir
     from xtrain.tasks import custom
 
     path = Path(run_dir) / rundir.MODEL
+    if any((Path(run_dir) / name).is_file() for name in (custom.MODEL_NODE, "config.json")):  # a model dir itself
+        path, incomplete = Path(run_dir), True  # (`python -m xtrain.export`'s: no run to have completed)
     result = rundir.read_result(Path(run_dir))
     status = rundir.shown_status(Path(run_dir)) if result else "no result.json"
     if status != rundir.Status.completed and not incomplete:
