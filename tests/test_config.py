@@ -163,6 +163,22 @@ def test_a_control_character_in_what_reaches_the_sbatch_script_is_refused(overri
     assert str(err.value).startswith(expected) and "\n" not in str(err.value)
 
 
+def test_a_node_range_is_a_slurm_request_within_the_nodes():
+    from xtrain.backends.slurm.submit import job_parameters, on_nodes
+
+    cfg = compose_run(*NO_PARTITION, "cluster.nodes=4", "cluster.min_nodes=2", "trainer.grad_accum=2")
+    assert job_parameters(cfg.cluster)["additional_parameters"]["nodes"] == "2-4"
+    assert on_nodes(cfg, 2).trainer.grad_accum == 4 and on_nodes(cfg, 4) is cfg
+    with pytest.raises(ConfigError, match=r"cluster.min_nodes=2: the run trains with an effective batch of 128 .* "
+                                          "3 processes cannot keep it .* divides 8"):
+        on_nodes(cfg, 3)
+    for overrides, expected in [(["cluster.nodes=2", "cluster.min_nodes=3"], "must be in [1, cluster.nodes=2]"),
+                                (["cluster=local", "cluster.min_nodes=1"], "a SLURM setting")]:
+        with pytest.raises(ConfigError) as err:
+            compose_run(*NO_PARTITION, *overrides)
+        assert str(err.value).startswith(f"cluster.min_nodes=") and expected in str(err.value), err.value
+
+
 def test_a_newline_in_an_sbatch_args_key_is_refused():
     """(Hydra's command line cannot spell one; a config file or the Python API can.)"""
     with pytest.raises(ConfigError, match="holds a control character"):

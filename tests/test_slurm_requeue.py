@@ -73,6 +73,37 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 41))
 
 
+def test_a_job_requeued_onto_fewer_nodes_continues_on_what_it_got(tmp_path, two_processes_unbroken):
+    """`cluster.min_nodes=1`: a 2-node job (--nodes=1-2) is stopped by a warning while n2 is drained; SLURM gives the
+    requeued job n1 alone, where it continues on 1 process with grad_accum 2 (the effective batch kept) along the
+    unbroken run (the same 8 blocks a step; only the order of float sums differs)."""
+    run_dir = tmp_path / "run"
+    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *LONG, "cluster.nodes=2", "cluster.min_nodes=1",
+                        "cluster.num_processes=1")
+    wait_for_step(run_dir, 12, proc)
+    job = job_id(run_dir)
+    assert "#SBATCH --nodes=1-2" in next((run_dir / "logs").rglob("*_submission.sh")).read_text()
+    subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=xtrain-test"], check=True)
+    try:
+        subprocess.run(["scancel", "--signal=USR2", job], check=True)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], check=True)
+    assert proc.returncode == 0, err
+
+    result = read_result(run_dir)
+    [restart] = result["restarts"]
+    assert result["status"] == "completed" and result["hosts"] == ["n1"] and result["world_size"] == 1
+    assert restart["moved"] == {"world": [2, 1], "grad_accum": [1, 2]} and restart["steps_lost"] == 0
+    assert "nodes: 1" in (run_dir / "run.yaml").read_text() and "grad_accum: 2" in (run_dir / "run.yaml").read_text()
+    assert every_step_once(run_dir, 40)
+    unbroken = {r["step"]: r["train/loss"] for r in read_metrics(two_processes_unbroken()) if "train/loss" in r}
+    losses = {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+    before = restart["at_step"]
+    assert {s: losses[s] for s in losses if s <= before} == {s: unbroken[s] for s in unbroken if s <= before}
+    assert losses == pytest.approx(unbroken, rel=1e-5, abs=0)
+
+
 def test_scontrol_requeue_without_warning_resumes_from_the_newest_periodic_checkpoint(tmp_path,
                                                                                        two_processes_unbroken):
     run_dir = tmp_path / "run"

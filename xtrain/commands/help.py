@@ -20,6 +20,7 @@ COMMANDS = {
     "python -m xtrain.prepare OVERRIDES": "prepare the run's data ahead of time (nothing trains)",
     "python -m xtrain.status DIR": "where a run or a sweep stands, from its files",
     "python -m xtrain.eval RUN_DIR [split=test] [predictions=FILE]": "evaluate a trained run's model/ (eval.json)",
+    "python -m xtrain.export RUN_DIR [step=N] [out=DIR]": "a checkpoint as a whole model dir (from_pretrained)",
     "python -m xtrain.env": "versions, devices, and what this machine can run",
 }
 

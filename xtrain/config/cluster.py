@@ -39,6 +39,9 @@ class ClusterConfig:
     """Where the run runs: this machine or a SLURM job; each option of the `cluster` group sets it."""
     nodes: int = 1
     """Machines the run spans (one task each under SLURM; several local nodes need node_rank and the rendezvous)."""
+    min_nodes: Optional[int] = None
+    """SLURM: the fewest nodes the job may start or, requeued, continue on (`--nodes=min_nodes-nodes`); on fewer
+    nodes than `nodes`, grad_accum keeps the effective batch. Default: exactly `nodes`."""
     node_rank: int = 0
     """This machine's rank among the nodes (0: the one that writes the run dir)."""
     num_processes: str = "auto"
@@ -113,6 +116,11 @@ class ClusterConfig:
                 f"cluster.signal_lead_s={self.signal_lead_s}: the warning would come before the job starts "
                 f"(cluster.time_limit={self.time_limit} is {minutes * 60} s); use a smaller lead or a longer limit"
             )
+        if self.min_nodes is not None and not 0 < self.min_nodes <= self.nodes:
+            raise ConfigError(f"cluster.min_nodes={self.min_nodes}: must be in [1, cluster.nodes={self.nodes}]")
+        if self.min_nodes is not None and self.kind is not ClusterKind.slurm:
+            raise ConfigError(f"cluster.min_nodes={self.min_nodes}: a SLURM setting (a node range for the job); "
+                              "use it with cluster=slurm")
         if not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
         if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):

@@ -82,11 +82,14 @@ def keep_effective_batch(cfg):
     (resume.py)."""
     from xtrain.engine import resume
 
-    path = resolve(cfg.resume, cfg.run_dir, identity(cfg), cfg)
+    try:
+        path = resolve(cfg.resume, cfg.run_dir, identity(cfg), cfg)
+    except ConfigError:
+        return cfg  # (preflight says why, after the checks that come first)
     if path is None:
         return cfg
     recorded = read_state(path).get("config")
-    kept = resume.keep_effective_batch(cfg, recorded, f"resume={cfg.resume}: {path}")
+    kept = resume.keep_effective_batch(cfg, recorded, f"resume={cfg.resume}: {path} trained")
     if kept.trainer.grad_accum != cfg.trainer.grad_accum:
         log.info("resume: %d data-parallel processes (the checkpoint's: %d): trainer.grad_accum %d -> %d keeps its "
                  "effective batch of %d", mesh.of(cfg).data_parallel, mesh.of(schema.from_container(recorded)).data_parallel,

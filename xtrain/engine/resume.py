@@ -25,7 +25,7 @@ from xtrain.distributed import mesh
 # Settings (a dotted name, or a prefix ending in ".") a resume may change freely: when things happen, where they
 # run, how they are watched. (The world, with the effective batch kept: `keep_effective_batch`.)
 CADENCE_OR_PLACEMENT = (
-    "cluster.nodes", "cluster.num_processes", "strategy.",
+    "cluster.nodes", "cluster.min_nodes", "cluster.num_processes", "strategy.",
     "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
     "trainer.sample_prompts", "trainer.sample_max_tokens", "trainer.monitor", "trainer.monitor_direction",
     "trainer.export", "trainer.early_stop_patience", "trainer.early_stop_min_delta", "tracker.", "task.code_dir", "data.num_proc", "data.cache_dir",
@@ -92,7 +92,7 @@ def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> Ru
     effective = effective_batch(saved)
     if effective % (t.batch_size * now):
         raise ConfigError(
-            f"{what} trained with an effective batch of {effective} (trainer.batch_size {t.batch_size} x {before} "
+            f"{what} with an effective batch of {effective} (trainer.batch_size {t.batch_size} x {before} "
             f"data-parallel processes x trainer.grad_accum {saved.trainer.grad_accum}); {now} processes cannot keep it "
             f"(no whole grad_accum): use a number of data-parallel processes that divides {effective // t.batch_size}"
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def run_node(run_dir: str) -> dict:
     configure_logging()
     logging.getLogger("submitit").propagate = False  # it has a handler of its own
     path = Path(run_dir)
-    cfg = node_topology(schema.load(str(path / rundir.RUN_CONFIG)))
+    cfg = node_topology(on_the_nodes_given(path))
     first = cfg.cluster.node_rank == 0
     if first:
         log.info("job %s on %s; rendezvous %s:%d%s", os.environ.get("SLURM_JOB_ID"),
@@ -87,6 +88,36 @@ def run_node(run_dir: str) -> dict:
             if first:
                 rundir.record_end(path, "failed", str(err))
             raise
+
+
+def on_the_nodes_given(path: Path) -> RunConfig:
+    """run.yaml's run on the nodes SLURM gave this allocation (a job of `cluster.min_nodes`-`cluster.nodes`): on
+    fewer or more than run.yaml's, node 0 writes it again with them and the grad_accum that keeps the effective batch
+    (the workers read it), and the other nodes wait until it has."""
+    import submitit
+
+    from xtrain.backends.slurm.submit import on_nodes
+    from xtrain.config import schema
+    from xtrain.core.files import write_atomic
+
+    file = path / rundir.RUN_CONFIG
+    written = schema.load(str(file))
+    env = submitit.JobEnvironment()
+    given = on_nodes(written, env.num_nodes)
+    if given is written:
+        return written
+    text = schema.to_yaml(given)
+    if env.node == 0:
+        log.info("SLURM gave %d of the job's %d node(s): trainer.grad_accum %d -> %d keeps the effective batch",
+                 env.num_nodes, written.cluster.nodes, written.trainer.grad_accum, given.trainer.grad_accum)
+        write_atomic(file, text)
+    deadline = time.time() + written.cluster.timeout_s
+    while file.read_text() != text:
+        if time.time() > deadline:
+            raise LaunchFailed(f"node {env.node}: node 0 did not write {file} for {env.num_nodes} node(s) within "
+                               f"cluster.timeout_s={written.cluster.timeout_s}", 1)
+        time.sleep(0.2)
+    return given
 
 
 def restart_count() -> int:

@@ -118,12 +118,27 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.nodes={c.nodes}: partition {part.name} has {part.nodes} node(s); "
                           f"use cluster.nodes<={part.nodes}")
     check_not_running(Path(cfg.run_dir), Path(cfg.run_dir))
+    for nodes in range(c.min_nodes or c.nodes, c.nodes):  # each allocation it may get keeps the effective batch
+        on_nodes(cfg, nodes)
     if c.gpus > part.gpus_per_node:
         raise ConfigError(f"cluster.gpus_per_node={c.gpus}: the nodes of partition {part.name} have "
                           f"{part.gpus_per_node} GPU(s); use cluster.gpus_per_node<={part.gpus_per_node}")
     if int(c.cpus_per_task) > part.cpus_per_node:
         raise ConfigError(f"cluster.cpus_per_task={c.cpus_per_task}: the nodes of partition {part.name} have "
                           f"{part.cpus_per_node} CPUs; use cluster.cpus_per_task<={part.cpus_per_node} (or all)")
+
+
+def on_nodes(cfg: RunConfig, nodes: int) -> RunConfig:
+    """The run on `nodes` of the `cluster.min_nodes`-`cluster.nodes` it asked for: grad_accum keeps its effective
+    batch (a ConfigError where no whole grad_accum does)."""
+    from xtrain.config import schema
+    from xtrain.engine import resume
+
+    if nodes == cfg.cluster.nodes:
+        return cfg
+    fewer = replace(cfg, cluster=replace(cfg.cluster, nodes=nodes))
+    return resume.keep_effective_batch(fewer, schema.to_container(cfg), f"cluster.min_nodes={cfg.cluster.min_nodes}: "
+                                       "the run trains")
 
 
 def check_not_running(path: Path, run_dir: Path) -> None:
@@ -145,8 +160,13 @@ def request_line(cluster: ClusterConfig) -> str:
     c = cluster
     gpus = f"{c.gpus} GPU(s)" if c.gpus else "no GPU: on CPUs"
     partition = partition_of(c).name if slurm_here() else (c.partition or "(the default)")
-    return (f"slurm request: {c.nodes} node(s) of partition {partition}, each one task of "
+    return (f"slurm request: {node_range(c)} node(s) of partition {partition}, each one task of "
             f"{c.cpus_per_task} CPUs and {gpus}, running {c.processes_per_node} worker process(es)")
+
+
+def node_range(c: ClusterConfig) -> str:
+    """sbatch's --nodes: `nodes`, or `min_nodes-nodes`."""
+    return f"{c.min_nodes}-{c.nodes}" if c.min_nodes is not None and c.min_nodes < c.nodes else str(c.nodes)
 
 
 def srun_arguments(c: ClusterConfig) -> list[str]:
@@ -178,11 +198,14 @@ def job_parameters(cluster: ClusterConfig) -> dict:
         # --signal=USR2@lead: the warning before the time limit; --requeue: SLURM may requeue the job
         # (scontrol requeue, a node failure), and so may the job itself, after a warning
         "signal_delay_s": c.signal_lead_s, "additional_parameters": {"requeue": True, **c.sbatch_args},
+        # (a range: the #SBATCH line; submitit counts its tasks from the most nodes)
         "python": interpreter(c),
     }
     for name in ("partition", "account", "qos", "constraint", "exclude"):
         if getattr(c, name) is not None:
             params[name] = getattr(c, name)
+    if node_range(c) != str(c.nodes):
+        params["additional_parameters"]["nodes"] = node_range(c)
     params["cpus_per_task"] = int(c.cpus_per_task)
     if c.gpus:
         params["gpus_per_node"] = c.gpus
