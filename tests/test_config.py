@@ -33,7 +33,7 @@ strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading strategy.dp_replicate strategy.tp
 strategy.cp
 precision.name precision.fp8_backend
-cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
+cluster.kind cluster.nodes cluster.min_nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
 cluster.timeout_s cluster.gpu_memory_gb cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
 cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
@@ -163,11 +163,12 @@ def test_a_control_character_in_what_reaches_the_sbatch_script_is_refused(overri
     assert str(err.value).startswith(expected) and "\n" not in str(err.value)
 
 
-def test_a_node_range_is_a_slurm_request_within_the_nodes():
-    from xtrain.backends.slurm.submit import job_parameters, on_nodes
+def test_min_nodes_is_a_slurm_setting_within_the_nodes_that_keeps_the_effective_batch():
+    from xtrain.backends.slurm.node import on_nodes
+    from xtrain.backends.slurm.submit import job_parameters
 
     cfg = compose_run(*NO_PARTITION, "cluster.nodes=4", "cluster.min_nodes=2", "trainer.grad_accum=2")
-    assert job_parameters(cfg.cluster)["additional_parameters"]["nodes"] == "2-4"
+    assert job_parameters(cfg.cluster)["nodes"] == 4  # (fewer only when it requeues itself)
     assert on_nodes(cfg, 2).trainer.grad_accum == 4 and on_nodes(cfg, 4) is cfg
     with pytest.raises(ConfigError, match=r"cluster.min_nodes=2: the run trains with an effective batch of 128 .* "
                                           "3 processes cannot keep it .* divides 8"):

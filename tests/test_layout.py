@@ -16,7 +16,7 @@ PACKAGE = REPO / "xtrain"
 # neither each other nor anything above.
 LAYERS = [("core",), ("config", "conf"), ("data",), ("distributed",), ("tasks",), ("engine",), ("launch",),
           ("backends",), ("sweeps",), ("commands", "decorator")]
-ENTRY = {"xtrain.__main__", "xtrain.prepare", "xtrain.status", "xtrain.env", "xtrain.eval"}  # `python -m xtrain[.<command>]`
+ENTRY = {"xtrain.__main__", "xtrain.prepare", "xtrain.status", "xtrain.env", "xtrain.eval", "xtrain.export"}  # `python -m xtrain[.<command>]`
 
 
 def module_name(path: Path) -> str:

@@ -74,15 +74,15 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
 
 
 def test_a_job_requeued_onto_fewer_nodes_continues_on_what_it_got(tmp_path, two_processes_unbroken):
-    """`cluster.min_nodes=1`: a 2-node job (--nodes=1-2) is stopped by a warning while n2 is drained; SLURM gives the
-    requeued job n1 alone, where it continues on 1 process with grad_accum 2 (the effective batch kept) along the
-    unbroken run (the same 8 blocks a step; only the order of float sums differs)."""
+    """`cluster.min_nodes=1`: a 2-node job is stopped by a warning while n2 is drained; it requeues itself asking for
+    the one node that can run, n1, where it continues on 1 process with grad_accum 2 (the effective batch kept) along
+    the unbroken run (the same 8 blocks a step; only the order of float sums differs)."""
     run_dir = tmp_path / "run"
     proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *LONG, "cluster.nodes=2", "cluster.min_nodes=1",
                         "cluster.num_processes=1")
     wait_for_step(run_dir, 12, proc)
     job = job_id(run_dir)
-    assert "#SBATCH --nodes=1-2" in next((run_dir / "logs").rglob("*_submission.sh")).read_text()
+    assert read_result(run_dir)["hosts"] == ["n1", "n2"]  # the first allocation: both nodes
     subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=xtrain-test"], check=True)
     try:
         subprocess.run(["scancel", "--signal=USR2", job], check=True)
@@ -95,6 +95,7 @@ def test_a_job_requeued_onto_fewer_nodes_continues_on_what_it_got(tmp_path, two_
     [restart] = result["restarts"]
     assert result["status"] == "completed" and result["hosts"] == ["n1"] and result["world_size"] == 1
     assert restart["moved"] == {"world": [2, 1], "grad_accum": [1, 2]} and restart["steps_lost"] == 0
+    assert restart["reason"].endswith("requeued (restart 1 of at most 10) on 1 node(s): the others cannot run now")
     assert "nodes: 1" in (run_dir / "run.yaml").read_text() and "grad_accum: 2" in (run_dir / "run.yaml").read_text()
     assert every_step_once(run_dir, 40)
     unbroken = {r["step"]: r["train/loss"] for r in read_metrics(two_processes_unbroken()) if "train/loss" in r}

@@ -40,8 +40,9 @@ class ClusterConfig:
     nodes: int = 1
     """Machines the run spans (one task each under SLURM; several local nodes need node_rank and the rendezvous)."""
     min_nodes: Optional[int] = None
-    """SLURM: the fewest nodes the job may start or, requeued, continue on (`--nodes=min_nodes-nodes`); on fewer
-    nodes than `nodes`, grad_accum keeps the effective batch. Default: exactly `nodes`."""
+    """SLURM: the fewest nodes a job that requeues itself after a stop signal may continue on: it asks for the
+    partition's nodes that can still run (not drained or down), at most `nodes`; grad_accum keeps the effective
+    batch. Default: `nodes` again."""
     node_rank: int = 0
     """This machine's rank among the nodes (0: the one that writes the run dir)."""
     num_processes: str = "auto"

@@ -90,13 +90,25 @@ def run_node(run_dir: str) -> dict:
             raise
 
 
+def on_nodes(cfg: RunConfig, nodes: int) -> RunConfig:
+    """The run on `nodes` of the `cluster.min_nodes`-`cluster.nodes` it asked for: grad_accum keeps its effective
+    batch (a ConfigError where no whole grad_accum does)."""
+    from xtrain.config import schema
+    from xtrain.engine import resume
+
+    if nodes == cfg.cluster.nodes:
+        return cfg
+    fewer = replace(cfg, cluster=replace(cfg.cluster, nodes=nodes))
+    return resume.keep_effective_batch(fewer, schema.to_container(cfg), f"cluster.min_nodes={cfg.cluster.min_nodes}: "
+                                       "the run trains")
+
+
 def on_the_nodes_given(path: Path) -> RunConfig:
     """run.yaml's run on the nodes SLURM gave this allocation (a job of `cluster.min_nodes`-`cluster.nodes`): on
     fewer or more than run.yaml's, node 0 writes it again with them and the grad_accum that keeps the effective batch
     (the workers read it), and the other nodes wait until it has."""
     import submitit
 
-    from xtrain.backends.slurm.submit import on_nodes
     from xtrain.config import schema
     from xtrain.core.files import write_atomic
 
@@ -143,8 +155,23 @@ def requeue_or_end(cluster: ClusterConfig, path: Path) -> None:
         log.info("%s", error)
         return
     job_id = submitit.JobEnvironment().job_id  # <array>_<task> for a point of a sweep
+    nodes = nodes_to_ask(cluster, os.environ.get("SLURM_JOB_PARTITION"))
+    fewer = f" on {nodes} node(s): the others cannot run now" if nodes < cluster.nodes else ""
     rundir.update_result(path, {"status": rundir.Status.requeued.value,
-                                "error": f"{stopped}; requeued (restart {restarts + 1} of at most {limit})"})
-    log.info("%s: requeueing SLURM job %s", stopped, job_id)
+                                "error": f"{stopped}; requeued (restart {restarts + 1} of at most {limit}){fewer}"})
+    log.info("%s: requeueing SLURM job %s%s", stopped, job_id, fewer)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # SLURM ends this allocation's processes as it requeues
     query(["scontrol", "requeue", job_id])
+    if fewer:  # (a pending job's node count can be lowered: it starts on them, node 0 then writes run.yaml anew)
+        query(["scontrol", "update", f"JobId={job_id}", f"NumNodes={nodes}", f"NumTasks={nodes}"])  # (a task a node)
+
+
+def nodes_to_ask(cluster: ClusterConfig, partition: str | None) -> int:
+    """The nodes a requeued job asks for: `cluster.nodes`, or with `cluster.min_nodes` as many of the partition's
+    as can run now (not drained, draining or down), never fewer than min_nodes."""
+    if cluster.min_nodes is None or cluster.min_nodes == cluster.nodes:
+        return cluster.nodes
+    states = query(["sinfo", "-h", "-N", "-o", "%T", *(["-p", partition] if partition else [])]).split()
+    usable = sum(not state.rstrip("*~#!%$@^-").startswith(("drain", "down", "fail", "maint", "reserved"))
+                 and not state.endswith("*") for state in states)
+    return max(cluster.min_nodes, min(cluster.nodes, usable))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from xtrain.backends.slurm.monitor import Job, Unreachable, cancel, describe, live_states, query, recorded_job
-from xtrain.backends.slurm.node import run_node
+from xtrain.backends.slurm.node import on_nodes, run_node
 from xtrain.config.cluster import ClusterConfig, time_limit_minutes
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
@@ -128,19 +128,6 @@ def check(cfg: RunConfig) -> None:
                           f"{part.cpus_per_node} CPUs; use cluster.cpus_per_task<={part.cpus_per_node} (or all)")
 
 
-def on_nodes(cfg: RunConfig, nodes: int) -> RunConfig:
-    """The run on `nodes` of the `cluster.min_nodes`-`cluster.nodes` it asked for: grad_accum keeps its effective
-    batch (a ConfigError where no whole grad_accum does)."""
-    from xtrain.config import schema
-    from xtrain.engine import resume
-
-    if nodes == cfg.cluster.nodes:
-        return cfg
-    fewer = replace(cfg, cluster=replace(cfg.cluster, nodes=nodes))
-    return resume.keep_effective_batch(fewer, schema.to_container(cfg), f"cluster.min_nodes={cfg.cluster.min_nodes}: "
-                                       "the run trains")
-
-
 def check_not_running(path: Path, run_dir: Path) -> None:
     """The SLURM job recorded in `path` (a run dir, a study's worker dir) has ended: else a ConfigError."""
     job = recorded_job(path)
@@ -160,13 +147,8 @@ def request_line(cluster: ClusterConfig) -> str:
     c = cluster
     gpus = f"{c.gpus} GPU(s)" if c.gpus else "no GPU: on CPUs"
     partition = partition_of(c).name if slurm_here() else (c.partition or "(the default)")
-    return (f"slurm request: {node_range(c)} node(s) of partition {partition}, each one task of "
+    return (f"slurm request: {c.nodes} node(s) of partition {partition}, each one task of "
             f"{c.cpus_per_task} CPUs and {gpus}, running {c.processes_per_node} worker process(es)")
-
-
-def node_range(c: ClusterConfig) -> str:
-    """sbatch's --nodes: `nodes`, or `min_nodes-nodes`."""
-    return f"{c.min_nodes}-{c.nodes}" if c.min_nodes is not None and c.min_nodes < c.nodes else str(c.nodes)
 
 
 def srun_arguments(c: ClusterConfig) -> list[str]:
@@ -194,18 +176,17 @@ def job_parameters(cluster: ClusterConfig) -> dict:
     c = cluster
     params: dict = {
         "job_name": c.job_name, "nodes": c.nodes, "ntasks_per_node": 1, "time": time_limit_minutes(c.time_limit),
-        "setup": list(c.setup), "srun_args": srun_arguments(c), "stderr_to_stdout": True,
+        # one task a node, of the nodes this allocation has (a requeued job may have fewer: node.nodes_to_ask)
+        "setup": [*c.setup, "export SLURM_NTASKS=$SLURM_JOB_NUM_NODES SLURM_NPROCS=$SLURM_JOB_NUM_NODES"],
+        "srun_args": srun_arguments(c), "stderr_to_stdout": True,
         # --signal=USR2@lead: the warning before the time limit; --requeue: SLURM may requeue the job
         # (scontrol requeue, a node failure), and so may the job itself, after a warning
         "signal_delay_s": c.signal_lead_s, "additional_parameters": {"requeue": True, **c.sbatch_args},
-        # (a range: the #SBATCH line; submitit counts its tasks from the most nodes)
         "python": interpreter(c),
     }
     for name in ("partition", "account", "qos", "constraint", "exclude"):
         if getattr(c, name) is not None:
             params[name] = getattr(c, name)
-    if node_range(c) != str(c.nodes):
-        params["additional_parameters"]["nodes"] = node_range(c)
     params["cpus_per_task"] = int(c.cpus_per_task)
     if c.gpus:
         params["gpus_per_node"] = c.gpus
