@@ -177,7 +177,7 @@ def test_min_nodes_is_a_slurm_setting_within_the_nodes_that_keeps_the_effective_
                                 (["cluster=local", "cluster.min_nodes=1"], "a SLURM setting")]:
         with pytest.raises(ConfigError) as err:
             compose_run(*NO_PARTITION, *overrides)
-        assert str(err.value).startswith(f"cluster.min_nodes=") and expected in str(err.value), err.value
+        assert str(err.value).startswith("cluster.min_nodes=") and expected in str(err.value), err.value
 
 
 def test_a_newline_in_an_sbatch_args_key_is_refused():

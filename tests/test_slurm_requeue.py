@@ -42,21 +42,34 @@ def every_step_once(run_dir: Path, max_steps: int, log_every: int = 1) -> bool:
     return logged_steps == list(range(log_every, max_steps + 1, log_every))
 
 
-def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continues_bitwise(tmp_path):
+def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continues_bitwise(tmp_path,
+                                                                                          two_processes_unbroken):
+    """Two 2-node jobs, one CPU of each node each. The first, stopped by a warning, requeues itself onto both nodes and
+    ends bitwise where the unbroken run does (the local 2-process run: bitwise the 2-node job's). The second
+    (`cluster.min_nodes=1`), stopped by a warning while n2 is drained, requeues itself asking for the one node that can
+    run, n1, and continues there on 1 process with grad_accum 2 (the effective batch kept) along the unbroken run
+    (the same 8 blocks a step; only the order of float sums differs)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = [*SLURM, *LONG, "cluster.nodes=2", "cluster.num_processes=1", "tracker=tensorboard"]
-    unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
-    # the reference, alongside: each job takes one of each node's two CPUs
-    reference = start_xtrain(f"run_dir={unbroken}", *args, quiet=True)
-
-    proc = start_xtrain(f"run_dir={run_dir}", *args)
+    args = [*SLURM, *LONG, "cluster.nodes=2", "cluster.num_processes=1"]
+    run_dir, fewer = tmp_path / "run", tmp_path / "fewer"
+    proc = start_xtrain(f"run_dir={run_dir}", *args, "tracker=tensorboard")
+    moving = start_xtrain(f"run_dir={fewer}", *args, "cluster.min_nodes=1")
     wait_for_step(run_dir, 12, proc)
+    wait_for_step(fewer, 12, moving)
+    assert read_result(fewer)["hosts"] == ["n1", "n2"]  # the second's first allocation: both nodes
     job = job_id(run_dir)
-    subprocess.run(["scancel", "--signal=USR2", job], check=True)  # what SLURM sends before the time limit
+    subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=xtrain-test"], check=True)
+    try:  # (the first job's requeue waits for n2 until the second has started again on n1)
+        for stopped in (job, job_id(fewer)):
+            subprocess.run(["scancel", "--signal=USR2", stopped], check=True)  # what SLURM sends before the time limit
+        deadline = time.time() + 120
+        while not read_result(fewer).get("restarts") and time.time() < deadline:
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], check=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
-    finished(reference)
 
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["hosts"] == ["n1", "n2"]
@@ -66,43 +79,26 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
     assert result["resumed_from"].endswith(f"step_{restart['at_step']:08d}")
     assert f"slurm job {job}: PENDING" in out and "restart 1" in out  # followed across the requeue
     assert sacct_state(job) == "COMPLETED"
+    unbroken = two_processes_unbroken()
     assert every_step_once(run_dir, 40) and logged(run_dir) == logged(unbroken)
     assert_equal_weights(unbroken, run_dir)
     events = EventAccumulator(str(run_dir / "tensorboard" / "xtrain"))  # the same log dir, each step once
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 41))
 
-
-def test_a_job_requeued_onto_fewer_nodes_continues_on_what_it_got(tmp_path, two_processes_unbroken):
-    """`cluster.min_nodes=1`: a 2-node job is stopped by a warning while n2 is drained; it requeues itself asking for
-    the one node that can run, n1, where it continues on 1 process with grad_accum 2 (the effective batch kept) along
-    the unbroken run (the same 8 blocks a step; only the order of float sums differs)."""
-    run_dir = tmp_path / "run"
-    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *LONG, "cluster.nodes=2", "cluster.min_nodes=1",
-                        "cluster.num_processes=1")
-    wait_for_step(run_dir, 12, proc)
-    job = job_id(run_dir)
-    assert read_result(run_dir)["hosts"] == ["n1", "n2"]  # the first allocation: both nodes
-    subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=xtrain-test"], check=True)
-    try:
-        subprocess.run(["scancel", "--signal=USR2", job], check=True)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], check=True)
-    assert proc.returncode == 0, err
-
-    result = read_result(run_dir)
+    _, err = moving.communicate(timeout=300)
+    assert moving.returncode == 0, err
+    result = read_result(fewer)
     [restart] = result["restarts"]
     assert result["status"] == "completed" and result["hosts"] == ["n1"] and result["world_size"] == 1
     assert restart["moved"] == {"world": [2, 1], "grad_accum": [1, 2]} and restart["steps_lost"] == 0
     assert restart["reason"].endswith("requeued (restart 1 of at most 10) on 1 node(s): the others cannot run now")
-    assert "nodes: 1" in (run_dir / "run.yaml").read_text() and "grad_accum: 2" in (run_dir / "run.yaml").read_text()
-    assert every_step_once(run_dir, 40)
-    unbroken = {r["step"]: r["train/loss"] for r in read_metrics(two_processes_unbroken()) if "train/loss" in r}
-    losses = {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
-    before = restart["at_step"]
-    assert {s: losses[s] for s in losses if s <= before} == {s: unbroken[s] for s in unbroken if s <= before}
-    assert losses == pytest.approx(unbroken, rel=1e-5, abs=0)
+    assert "nodes: 1" in (fewer / "run.yaml").read_text() and "grad_accum: 2" in (fewer / "run.yaml").read_text()
+    assert every_step_once(fewer, 40)
+    before, losses = restart["at_step"], {r["step"]: r["train/loss"] for r in read_metrics(fewer) if "train/loss" in r}
+    expected = {r["step"]: r["train/loss"] for r in read_metrics(unbroken) if "train/loss" in r}
+    assert {s: losses[s] for s in losses if s <= before} == {s: expected[s] for s in expected if s <= before}
+    assert losses == pytest.approx(expected, rel=1e-5, abs=0)
 
 
 def test_scontrol_requeue_without_warning_resumes_from_the_newest_periodic_checkpoint(tmp_path,

@@ -46,7 +46,6 @@ def run_node(run_dir: str) -> dict:
     A stop signal (SLURM's warning before the time limit, `scancel --signal=USR2`) ends training at a step
     boundary with a checkpoint on every node; node 0 then requeues the job, which resumes in the same run
     dir (loop.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
-    from xtrain.config import schema
     from xtrain.core import machine, stopping
     from xtrain.launch import hardware
     from xtrain.backends import local
