@@ -168,7 +168,10 @@ def test_a_run_moves_from_4_processes_to_2_to_1_and_from_fsdp2_to_ddp(hsdp, move
     assert result["restarts"][-1]["moved"] == {"world": [2, 1], "strategy": ["fsdp", "ddp"], "grad_accum": [2, 4]}
     assert result["restarts"][-1]["changed"]["trainer.grad_accum"] == [2, 4]
     run_yaml = (one / "run.yaml").read_text()
-    assert "grad_accum: 4" in run_yaml and "name: ddp" in run_yaml  # what trains now
+    assert "grad_accum: 4" in run_yaml and "name: ddp" in run_yaml  # what trains now, and its history:
+    assert run_yaml.splitlines()[:2] == [
+        "# moved at step 4: world 4 -> 2, grad_accum 1 -> 2 (the effective batch kept)",
+        "# moved at step 6: world 2 -> 1, strategy fsdp -> ddp, grad_accum 2 -> 4 (the effective batch kept)"]
     assert result["status"] == "completed" and result["steps"] == 8 and result["world_size"] == 1
     unbroken = losses_after(hsdp, 4)
     for resumed, after in ((two, 4), (one, 6)):

@@ -93,7 +93,9 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
     assert result["status"] == "completed" and result["hosts"] == ["n1"] and result["world_size"] == 1
     assert restart["moved"] == {"world": [2, 1], "grad_accum": [1, 2]} and restart["steps_lost"] == 0
     assert restart["reason"].endswith("requeued (restart 1 of at most 10) on 1 node(s): the others cannot run now")
-    assert "nodes: 1" in (fewer / "run.yaml").read_text() and "grad_accum: 2" in (fewer / "run.yaml").read_text()
+    run_yaml = (fewer / "run.yaml").read_text()
+    assert "nodes: 1" in run_yaml and "grad_accum: 2" in run_yaml
+    assert run_yaml.startswith("# moved to 1 of the job's 2 node(s) (restart 1): grad_accum 1 -> 2\n")
     assert every_step_once(fewer, 40)
     before, losses = restart["at_step"], {r["step"]: r["train/loss"] for r in read_metrics(fewer) if "train/loss" in r}
     expected = {r["step"]: r["train/loss"] for r in read_metrics(unbroken) if "train/loss" in r}

@@ -228,6 +228,15 @@ def keep_evals_until(run_dir: Path, step: int) -> None:
             path.unlink()
 
 
+MOVED = "# moved"  # run.yaml's history: a comment line for each time the run moved to another world or strategy
+
+
+def moves_recorded(run_dir: Path) -> list[str]:
+    """run.yaml's history lines (`# moved ...`), oldest first; none where there is no run.yaml."""
+    file = Path(run_dir) / RUN_CONFIG
+    return [line for line in file.read_text().splitlines() if line.startswith(MOVED)] if file.is_file() else []
+
+
 def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None, moved: dict | None = None) -> dict:
     """What a run resumed in its own run dir carries over from the attempt before: its restarts, one more.
     Steps lost: those trained after the checkpoint resumed from (as far as metrics.jsonl shows them)."""

@@ -208,12 +208,28 @@ def check_free(cfg: RunConfig) -> None:
 
 
 def create_run_dir(cfg: RunConfig) -> Path:
-    """Create the run dir and write run.yaml; refuse to start over a run that is there already."""
+    """Create the run dir and write run.yaml; refuse to start over a run that is there already. A run dir resumed on
+    another world or strategy keeps run.yaml's history of such moves, one comment line more."""
     check_free(cfg)
     path = Path(cfg.run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    write_atomic(path / rundir.RUN_CONFIG, schema.to_yaml(cfg))
+    write_atomic(path / rundir.RUN_CONFIG, "".join(f"{line}\n" for line in moves(cfg, path)) + schema.to_yaml(cfg))
     return path
+
+
+def moves(cfg: RunConfig, path: Path) -> list[str]:
+    """run.yaml's history lines: the earlier ones, and this resume's where its checkpoint moves."""
+    from xtrain.engine import reshard
+
+    history = rundir.moves_recorded(path)
+    checkpoint_path = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
+    if checkpoint_path is not None:
+        state = checkpoint.read_state(checkpoint_path)
+        found = reshard.moved(checkpoint_path, state, cfg)
+        line = f"{rundir.MOVED} at step {state['step']}: {reshard.moved_text(found)}"
+        if found and history[-1:] != [line]:
+            history.append(line)
+    return history
 
 
 def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:

@@ -117,7 +117,9 @@ def on_the_nodes_given(path: Path) -> RunConfig:
     given = on_nodes(written, env.num_nodes)
     if given is written:
         return written
-    text = schema.to_yaml(given)
+    moved = (f"{rundir.MOVED} to {env.num_nodes} of the job's {written.cluster.nodes} node(s) (restart "
+             f"{restart_count()}): grad_accum {written.trainer.grad_accum} -> {given.trainer.grad_accum}")
+    text = "".join(f"{line}\n" for line in [*rundir.moves_recorded(path), moved]) + schema.to_yaml(given)
     if env.node == 0:
         log.info("SLURM gave %d of the job's %d node(s): trainer.grad_accum %d -> %d keeps the effective batch",
                  env.num_nodes, written.cluster.nodes, written.trainer.grad_accum, given.trainer.grad_accum)
