@@ -35,6 +35,11 @@ XTRAIN_RUNS = {
     "xtrain defaults": [],
     "xtrain compile": ["trainer.compile=true"],
     "xtrain fp8 (torchao) + compile": ["precision=fp8", "precision.fp8_backend=torchao", "trainer.compile=true"],
+    # fp8's levers, run by name (--only): the MLP alone in fp8, and rowwise scaling
+    "xtrain fp8 MLP only + compile": ["precision=fp8", "precision.fp8_backend=torchao", "precision.fp8_skip=[self_attn]",
+                                      "trainer.compile=true"],
+    "xtrain fp8 rowwise + compile": ["precision=fp8", "precision.fp8_backend=torchao", "precision.fp8_recipe=rowwise",
+                                     "trainer.compile=true"],
 }
 HF_RUNS = {"HF Trainer defaults": False, "HF Trainer torch_compile": True}
 
@@ -301,6 +306,7 @@ def main() -> None:
         sheet = next((p[0] * 1e12 for key, p in _sheet().items() if key in name), None)
     order = ["xtrain defaults", "HF Trainer defaults", "xtrain compile", "HF Trainer torch_compile",
              "xtrain fp8 (torchao) + compile"]  # (the quick ones first: a time limit cuts the slowest)
+    order += [name for name in XTRAIN_RUNS if name not in order and chosen is not None and name in chosen]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -317,7 +323,8 @@ def main() -> None:
     ratios = {r["name"]: r["tokens_per_s"] for r in rows if "error" not in r}
     notes = []
     for a, b in (("xtrain defaults", "HF Trainer defaults"), ("xtrain compile", "HF Trainer torch_compile"),
-                 ("xtrain fp8 (torchao) + compile", "xtrain compile")):
+                 ("xtrain fp8 (torchao) + compile", "xtrain compile"), ("xtrain fp8 MLP only + compile", "xtrain compile"),
+                 ("xtrain fp8 rowwise + compile", "xtrain compile")):
         if a in ratios and b in ratios:
             notes.append(f"{a} / {b}: {ratios[a] / ratios[b]:.2f}x")
     for r in rows:

@@ -32,7 +32,7 @@ strategy.name strategy.offload_optimizer strategy.offload_param strategy.nvme_pa
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading strategy.dp_replicate strategy.tp
 strategy.cp
-precision.name precision.fp8_backend
+precision.name precision.fp8_backend precision.fp8_recipe precision.fp8_skip
 cluster.kind cluster.nodes cluster.min_nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
 cluster.timeout_s cluster.gpu_memory_gb cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args

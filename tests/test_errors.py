@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -46,6 +44,10 @@ def snapshot(root: Path) -> dict[str, str]:
          ["trainer.compile=true", "strategy.fsdp_version=1", "strategy.fsdp_version=2"]),
         (["trainer.monitor=val_accuracy"],
          ["trainer.monitor=val_accuracy: the task does not compute it; it computes val_loss, val_ppl"]),
+        (["precision=bf16", "precision.fp8_recipe=rowwise"],
+         ["precision.fp8_recipe=rowwise: a setting of fp8 with torchao", "precision=bf16", "precision.fp8_backend=torchao"]),
+        (["precision=fp8", "precision.fp8_backend=torchao", "strategy=fsdp", "model=hf", "model.name_or_path=org/model"],
+         ["strategy.cpu_ram_efficient_loading=true", "fp8", "strategy.cpu_ram_efficient_loading=false"]),
         (["trainer.monitor=val_ppl", "trainer.monitor_direction=maximize"],
          ["trainer.monitor_direction=maximize: val_ppl is better when lower; use trainer.monitor_direction=minimize"]),
     ],

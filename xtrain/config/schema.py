@@ -73,6 +73,14 @@ class RunConfig:
                 f"trainer.fused_optimizer=true: with strategy.offload_optimizer={offload.value} DeepSpeed steps on the "
                 "host with its own DeepSpeedCPUAdam; use trainer.fused_optimizer=false"
             )
+        s = self.strategy
+        if (self.precision.name is Precision.fp8 and self.precision.fp8_backend is Fp8Backend.torchao
+                and s.name is Strategy.fsdp and s.cpu_ram_efficient_loading
+                and getattr(self.model, "source", None) is not ModelSource.config):
+            raise ConfigError(
+                "strategy.cpu_ram_efficient_loading=true: Accelerate does not load weights on rank 0 only with fp8 "
+                "from torchao under FSDP; set strategy.cpu_ram_efficient_loading=false (each rank reads the weights)"
+            )
         if self.trainer.compile and self.strategy.name is Strategy.fsdp and self.strategy.fsdp_version == 1:
             raise ConfigError(
                 "trainer.compile=true: with strategy.fsdp_version=1 Accelerate compiles around FSDP1's wrappers "

@@ -9,6 +9,7 @@ paths on a CPU, and preflight (launch/hardware.py) refuses them to users with on
 | `XTRAIN_TEST_ZERO_ON_CPU=1` | ZeRO through DeepSpeed's own CPU accelerator (gloo) |
 | `XTRAIN_TEST_FSDP_ON_CPU=1` | FSDP2 over gloo, the process group presented to Accelerate as an accelerator's |
 | `XTRAIN_TEST_FP16_ON_CPU=1` | fp16 autocast with a loss scaler (DDP), so the skipped-step path runs |
+| `XTRAIN_TEST_FP8_ON_CPU=1` | fp8 with torchao: its layers' scaled casts and fp8 matmuls (torch's CPU `_scaled_mm`) |
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-from xtrain.config.schema import Precision, RunConfig, Strategy
+from xtrain.config.schema import Fp8Backend, Precision, RunConfig, Strategy
 from xtrain.config.strategy import StrategyConfig
 
 ZERO_ON_CPU_ENV = "XTRAIN_TEST_ZERO_ON_CPU"
 FSDP_ON_CPU_ENV = "XTRAIN_TEST_FSDP_ON_CPU"
 FP16_ON_CPU_ENV = "XTRAIN_TEST_FP16_ON_CPU"
+FP8_ON_CPU_ENV = "XTRAIN_TEST_FP8_ON_CPU"
 
 
 def _switched_on(env: str) -> bool:
@@ -43,6 +45,13 @@ def fsdp_on_cpu(strategy: StrategyConfig) -> bool:
 def fp16_on_cpu(cfg: RunConfig) -> bool:
     """fp16 autocast and a loss scaler on CPU (DDP): Accelerate runs fp16 only on accelerators (on CPU it trains fp32)."""
     return cfg.precision.name is Precision.fp16 and cfg.strategy.name is Strategy.ddp and _switched_on(FP16_ON_CPU_ENV)
+
+
+def fp8_on_cpu(cfg: RunConfig) -> bool:
+    """fp8 with torchao on CPU: Accelerate converts the layers and autocasts as on a GPU; torch's CPU `_scaled_mm`
+    runs the fp8 matmuls (as slowly as any CPU fp8: a check of the path, not of its speed)."""
+    return (cfg.precision.name is Precision.fp8 and cfg.precision.fp8_backend is Fp8Backend.torchao
+            and _switched_on(FP8_ON_CPU_ENV))
 
 
 def present_cpu_as_accelerator(fsdp_plugin, timeout: timedelta) -> None:

@@ -104,6 +104,16 @@ def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a torchao fp8 weight wraps (for its fp8 all-gather under FSDP2), else `t`. (Held by itself:
+    `to_empty` swaps a wrapper's contents.)"""
+    return getattr(t, "_tensor", t)
+
+
+def _is_meta(t: torch.Tensor) -> bool:
+    return _inner(_local(t)).is_meta
+
+
 def build(make):
     """`make()` (a model's constructor) with its large tensors on meta, their writes recorded."""
     recorder = Recorder()
@@ -130,7 +140,7 @@ def shard(accelerator, model):
 
     recorder = _built.pop(model)
     plugin = accelerator.state.fsdp_plugin
-    originals = {name: p for name, p in model.named_parameters() if p.is_meta}
+    originals = {name: _inner(p) for name, p in model.named_parameters() if _is_meta(p)}
     plugin.set_auto_wrap_policy(model)
     if plugin.activation_checkpointing:
         model = fsdp2_apply_ac(accelerator, model)
@@ -139,7 +149,7 @@ def shard(accelerator, model):
         compiling.compile_blocks(model)
     plugin.cpu_ram_efficient_loading = False  # (it would broadcast rank 0's weights: there are none yet)
     model = fsdp2_prepare_model(accelerator, model)
-    kept = {name: t.detach().clone() for name, t in _tensors(model) if not _local(t).is_meta}
+    kept = {name: t.detach().clone() for name, t in _tensors(model) if not _is_meta(t)}
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     device = torch.device("cpu") if isinstance(plugin.cpu_offload, CPUOffloadPolicy) else accelerator.device
@@ -165,8 +175,8 @@ def materialize(model, device: torch.device):
     def every():  # (tied weights under each of their names: to_empty unties them, `tie_weights` ties them again)
         return [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
 
-    originals = {name: t for name, t in every() if t.is_meta}
-    kept = {name: t.detach().clone() for name, t in every() if not t.is_meta}
+    originals = {name: _inner(t) for name, t in every() if _is_meta(t)}
+    kept = {name: t.detach().clone() for name, t in every() if not _is_meta(t)}
     model.to_empty(device=device)  # storage there for every tensor; what was already real is put back below
     with torch.no_grad():
         for name, t in every():

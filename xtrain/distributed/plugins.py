@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from xtrain.config.schema import Fp8Backend, ModelSource, Offload, Precision, RunConfig, StateDictType, Strategy
 from xtrain.config.strategy import StrategyConfig
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import compiling
+from xtrain.distributed import compiling, fp8
 
 ZERO_STAGE = {Strategy.zero1: 1, Strategy.zero2: 2, Strategy.zero3: 3}
 MIXED_PRECISION = {Precision.fp32: "no", Precision.fp16: "fp16", Precision.bf16: "bf16", Precision.fp8: "fp8"}
@@ -40,6 +40,7 @@ class ModelFacts:
     intermediate: int | None = None
     vocab: int | None = None
     tp_split: int = 0  # parameters the tensor-parallel plan splits
+    fp8_layers: tuple = ()  # the linear layers torchao trains in fp8 (fp8.layers)
 
 
 def builds_on_meta(cfg: RunConfig) -> bool:
@@ -53,6 +54,10 @@ def builds_on_meta(cfg: RunConfig) -> bool:
         return False
     on_gpu = s.name is Strategy.ddp and torch.cuda.is_available() and not cfg.model.lora.enabled
     return on_gpu or s.name is Strategy.fsdp and s.fsdp_version == 2 and s.tp == 1  # (TP splits the built model)
+
+
+def torchao_fp8(cfg: RunConfig) -> bool:
+    return cfg.precision.name is Precision.fp8 and cfg.precision.fp8_backend is Fp8Backend.torchao
 
 
 def is_zero(strategy: StrategyConfig) -> bool:
@@ -233,9 +238,10 @@ def fp8_recipe(cfg: RunConfig) -> dict:
             override_linear_precision=(False, False, False), use_autocast_during_eval=False,
             use_mxfp8_block_scaling=False,
         )
-    if backend is Fp8Backend.torchao:
-        return dict(config=None, module_filter_func=None, pad_inner_dim=True,
-                    enable_fsdp_float8_all_gather=cfg.strategy.name is Strategy.fsdp)
+    if backend is Fp8Backend.torchao:  # (pad_inner_dim and the all-gather: set in the config, Accelerate's own)
+        return dict(config=fp8.config(cfg.precision, fsdp=cfg.strategy.name is Strategy.fsdp),
+                    module_filter_func=fp8.converted_already, pad_inner_dim=None,
+                    enable_fsdp_float8_all_gather=None)
     return dict(opt_level="O2")
 
 
@@ -277,8 +283,11 @@ def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts, user_ds: dict | None =
 
         if mesh.parallelism_config(cfg) is not None:
             kwargs["parallelism_config"] = mesh.parallelism_config(cfg)
+        settings = fsdp_settings(cfg.strategy, facts)
+        if builds_on_meta(cfg) and torchao_fp8(cfg):  # Accelerate refuses the two together; a model built on
+            settings["cpu_ram_efficient_loading"] = False  # meta has no weights on rank 0 to broadcast anyway
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
-            **fsdp_settings(cfg.strategy, facts),
+            **settings,
             ignored_modules=[],  # None would be read from FSDP_IGNORED_MODULES
             min_num_params=None,  # read (from FSDP_MIN_NUM_PARAMS) only for size-based wrapping
             activation_checkpointing_offload=False,

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from xtrain.config.schema import RunConfig, Strategy
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import compiling, mesh, meta_init
+from xtrain.distributed import compiling, fp8, mesh, meta_init, plugins
 from xtrain.engine import sampler
 from xtrain.engine.pruning import Pruning
 from xtrain.engine.callbacks import Callbacks
@@ -41,12 +41,15 @@ class Components:
     pruning: Pruning | None = None  # where the run is a study's trial
     callbacks: Callbacks | None = None  # trainer.callbacks
     speed: Speed = field(default_factory=Speed)  # the steady rate's windows, MFU's FLOPs and peak
+    fp8: fp8.Trained | None = None  # which linear layers train in fp8 (torchao)
 
 
 def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
     t = cfg.trainer
     built = task.build(accelerator)
     model, train_set, val_set = built.model, built.train_set, built.val_set
+    if plugins.torchao_fp8(cfg):
+        fp8.convert(model, cfg.precision, fsdp=cfg.strategy.name is Strategy.fsdp)
     if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
         fsdp = cfg.strategy.name is Strategy.fsdp
         model = meta_init.shard(accelerator, model) if fsdp else meta_init.materialize(model, accelerator.device)
@@ -84,5 +87,5 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
-        test_loader=test_loader,
+        test_loader=test_loader, fp8=fp8.trained(model) if plugins.torchao_fp8(cfg) else None,
     )

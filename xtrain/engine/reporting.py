@@ -116,6 +116,8 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
         c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, processes(world, cfg.strategy.name.value, layout),
         t.batch_size * t.grad_accum * layout.data_parallel, c.task.batch_unit,
     )
+    if c.fp8 is not None:
+        log.info(c.fp8.words())
     if resume_from is not None:
         log.info("resumed from %s at step %d", resume_from, start_step)
     result = {
@@ -135,6 +137,8 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
         list(column) for column in zip(*every))
     if accelerator.distributed_type is DistributedType.FSDP:
         result["fsdp_units"] = fsdp_units(c.model)
+    if c.fp8 is not None:
+        result["fp8"] = {"scaling": c.fp8.scaling, "layers": list(c.fp8.converted), "kept_in_bf16": list(c.fp8.kept)}
     if cfg.trainer.compile:
         result["compiled_regions"] = compiling.compiled_regions(c.model)
     if world > 1:

@@ -18,7 +18,7 @@ from xtrain.config.schema import BaseQuantization, Fp8Backend, Offload, Precisio
 from xtrain.config.task import given
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
-from xtrain.distributed.cpu_seams import fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
+from xtrain.distributed.cpu_seams import fp8_on_cpu, fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
 
 FP8_PACKAGES = {
     Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
@@ -100,7 +100,7 @@ def refusal(cfg: RunConfig) -> str | None:
             "use precision=fp16 or precision=fp32"
         )
     if precision is Precision.fp8:
-        if not cuda:
+        if not cuda and not fp8_on_cpu(cfg):
             return "precision=fp8: needs a GPU with FP8 units (compute capability >= 8.9, e.g. H100, L4) and this machine has none; use precision=bf16"
         if oldest and oldest.capability < (8, 9):
             return (

@@ -82,7 +82,8 @@ def render(plan: Plan) -> str:
         f"  model        {_model_name(cfg.model)}: {plan.n_params:,} parameters (counted on the meta device)"
         + (f"; LoRA rank {cfg.model.lora.rank} trains {plan.facts.trainable:,} "
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
-        f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}, optimizer {optimizer(cfg)}",
+        f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}{fp8_words(cfg, plan.facts)}, "
+        f"optimizer {optimizer(cfg)}",
         f"  memory       per device: weights {size(m.params)} + gradients {size(m.grads)} + optimizer "
         f"{size(m.optimizer)} = {size(m.states)} model states",
         "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
@@ -132,6 +133,13 @@ def mesh_lines(cfg: RunConfig, layout: mesh.Mesh) -> list[str]:
                      + (f" and {len(groups) - 1} more group(s) like it" if len(groups) > 1 else "")
                      + f"; {'crosses nodes' if crosses else 'within a node'} ({what})")
     return lines
+
+
+def fp8_words(cfg: RunConfig, facts) -> str:
+    """` (torchao, tensorwise: 15 linear layers in fp8)` for fp8 with torchao, else nothing."""
+    if not plugins.torchao_fp8(cfg):
+        return ""
+    return f" (torchao, {cfg.precision.fp8_recipe.value}: {len(facts.fp8_layers)} linear layers in fp8)"
 
 
 def optimizer(cfg: RunConfig) -> str:

@@ -24,7 +24,7 @@ from xtrain.config.schema import Offload, RunConfig
 from xtrain.core import machine, rundir
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
-from xtrain.distributed import mesh, plugins
+from xtrain.distributed import fp8, mesh, plugins
 from xtrain.engine import callbacks, checkpoint, optim, resume
 from xtrain.launch import hardware, plan
 from xtrain.tasks.facts import model_facts
@@ -66,6 +66,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     optim.check(cfg)
     _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
     mesh.check(cfg, facts)
+    if plugins.torchao_fp8(cfg):
+        fp8.check(cfg.precision, facts.fp8_layers, facts.model_class)
     if not planning:  # (a dry run's plan shows what does not fit)
         plan.check_fits(cfg)
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)

@@ -4,7 +4,7 @@ ZeRO's bucket size and the LoRA-trainable count."""
 from __future__ import annotations
 
 from xtrain.config.schema import RunConfig, Strategy
-from xtrain.distributed import mesh, plugins
+from xtrain.distributed import fp8, mesh, plugins
 
 _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 
@@ -12,7 +12,7 @@ _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
     Kept per model for the process: a sweep's points mostly share theirs."""
-    key = repr((cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer))
+    key = repr((cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer, cfg.precision))
     if key not in _FACTS:
         _FACTS[key] = _model_facts(cfg)
     return _FACTS[key]
@@ -44,6 +44,7 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
         layers=layers, intermediate=intermediate or (4 * hidden if layers else None),
         vocab=getattr(config, "vocab_size", None),
         tp_split=sum(p.numel() for name, p in meta.named_parameters() if name in planned),
+        fp8_layers=fp8.layers(meta, cfg.precision)[0] if plugins.torchao_fp8(cfg) else (),
     )
 
 
