@@ -53,7 +53,8 @@ def convert(model: torch.nn.Module, precision: PrecisionConfig, fsdp: bool) -> N
     from torchao.float8 import convert_to_float8_training
 
     chosen = frozenset(layers(model, precision)[0])
-    convert_to_float8_training(model, config=config(precision, fsdp), module_filter_fn=lambda _, name: plain(name) in chosen)
+    convert_to_float8_training(model, config=config(precision, fsdp),
+                               module_filter_fn=lambda _, name: plain(name) in chosen)
 
 
 def converted_already(module: torch.nn.Module, name: str) -> bool:
