@@ -92,7 +92,8 @@ def run_xtrain(name: str, extra: list[str], shape: dict, steps: int, block: int,
     windows = [(r["step"], r["train/tokens_per_s"]) for r in rows if "train/tokens_per_s" in r]
     rates = [rate for step, rate in windows if step > AFTER]
     return {
-        "name": name, "tokens_per_s": statistics.median(rates), "reported_tokens_per_s": result["tokens_per_s"],
+        "name": name, "parameters": result["model_parameters"], "tokens_per_s": statistics.median(rates),
+        "reported_tokens_per_s": result["tokens_per_s"],
         "whole_run_tokens_per_s": result.get("tokens_per_s_whole_run"), "reported_mfu": result.get("mfu"),
         "peak_memory_bytes": max(result.get("peak_device_memory_bytes") or result["peak_rss_bytes"]),
         "time_to_first_step_s": result["time_to_first_step_s"], "wall_s": time.time() - began,
@@ -101,7 +102,7 @@ def run_xtrain(name: str, extra: list[str], shape: dict, steps: int, block: int,
     }
 
 
-PROFILED = 3  # steps whose kernels are timed, ending 2 steps before the last (in the last logged window)
+PROFILED = 3  # steps whose kernels are timed: 3 to 5, in the first logged window, which no rate counts
 KINDS = {  # a kernel's kind, by the first of these its name contains
     "fp8 matmul": ("e4m3", "e5m2", "f8f8", "fp8", "_qrtst_", "_qqtst_"),  # (cuBLAS's fp8 kernels: q for e4m3, r e5m2)
     "bf16/fp32 matmul": ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm"),
@@ -119,8 +120,9 @@ def kind_of(kernel: str) -> str:
 def xtrain_profiled(profile: Path, steps: int, settings: list[str]) -> None:
     """`python -m xtrain` in this process, the GPU kernels of PROFILED steps timed by torch's profiler: per step,
     the time of each kind of kernel and the top kernels, into `profile` as JSON (on a CPU: its operators). The
-    profiler starts and stops between steps, where xtrain's step clock does not run, and its results are read once
-    the run has ended: the rates xtrain reports keep out what profiling costs, but for the kernels' own tracing."""
+    profiled steps come after compilation (steps 1 and 2: training's graphs, and the eval's before them) and lie in
+    the first logged window, which neither xtrain's steady rate nor the medians above count; the profiler starts
+    and stops between steps, outside xtrain's step clock, and its results are read once the run has ended."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
@@ -129,7 +131,7 @@ def xtrain_profiled(profile: Path, steps: int, settings: list[str]) -> None:
     import xtrain.engine.loop as loop
     from xtrain.commands import cli
 
-    first, state = steps - 1 - PROFILED, {}
+    first, state = 3, {}
     between_steps = loop.Run.log_eval_save
     gpu = torch.cuda.is_available()
 
@@ -221,8 +223,14 @@ def hf_trainer(compile_: bool, shape: dict, steps: int, block: int, batch: int, 
         torch.cuda.reset_peak_memory_stats()
     Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock]).train()
     rates = [batch * block / seconds for step, seconds in clock.ends if step > AFTER]
-    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    out.write_text(json.dumps({"tokens_per_s": statistics.median(rates), "peak_memory_bytes": peak,
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated()
+    else:  # (the process's peak resident memory, as xtrain reports it on a CPU)
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out.write_text(json.dumps({"parameters": model.num_parameters(), "tokens_per_s": statistics.median(rates),
+                               "peak_memory_bytes": peak,
                                "time_to_first_step_s": clock.first}))
 
 
@@ -265,7 +273,7 @@ def breakdown(rows: list[dict]) -> str:
     if not profiled:
         return ""
     kinds = [*KINDS, "other (eager)"]
-    lines = ["", "", f"GPU time per step by kind of kernel (ms; torch's profiler over {PROFILED} steps near the end):", "",
+    lines = ["", "", f"GPU time per step by kind of kernel (ms; torch's profiler over steps 3 to {2 + PROFILED}):", "",
              "| run | step (wall) | kernels | " + " | ".join(kinds) + " |", "| --- " * (len(kinds) + 3) + "|"]
     for r in profiled:
         p = r["profile"]
@@ -318,10 +326,12 @@ def main() -> None:
                 rows.append(run_xtrain(name, extra, shape, args.steps, block, batch, work, args.smoke))
             else:
                 rows.append(run_hf(name, HF_RUNS[name], shape, args.steps, block, batch, work, args.smoke))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "windows"}), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
     text = table(rows, peak, flops_per_token(shape, block), sheet)
     ratios = {r["name"]: r["tokens_per_s"] for r in rows if "error" not in r}
-    notes = []
+    sizes = {r["name"]: r["parameters"] for r in rows if "parameters" in r}
+    notes = [f"every run trains the same model: {next(iter(sizes.values())):,} parameters" if len(set(sizes.values())) == 1
+             else "the runs' models differ: " + ", ".join(f"{name} {n:,}" for name, n in sizes.items())] if sizes else []
     for a, b in (("xtrain defaults", "HF Trainer defaults"), ("xtrain compile", "HF Trainer torch_compile"),
                  ("xtrain fp8 (torchao) + compile", "xtrain compile"), ("xtrain fp8 MLP only + compile", "xtrain compile"),
                  ("xtrain fp8 rowwise + compile", "xtrain compile")):

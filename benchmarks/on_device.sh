@@ -19,6 +19,8 @@ if [ "${BENCH_S:-420}" != 0 ]; then
     | tee "$out/bench.log"
 fi
 if [ "${TESTS_S:-170}" != 0 ]; then
-  timeout "${TESTS_S:-170}" python3 -m pytest -m gpu -s -q -p no:cacheprovider --durations=10 tests/test_gpu.py 2>&1 \
+  # (SIGINT at the limit: pytest still prints the failures it has, with their tracebacks)
+  timeout -s INT -k 20 "${TESTS_S:-170}" python3 -m pytest -m gpu -s -q -p no:cacheprovider --durations=10 \
+    tests/test_gpu.py 2>&1 \
     | tee "$out/gpu_tests.log"
 fi

@@ -100,3 +100,34 @@ def test_adamw_is_fused_by_default_where_the_run_trains_on_gpus(overrides, gpus,
     assert cfg.trainer.fused_optimizer is fused
     assert optimizer(cfg) == {True: "AdamW (fused)", False: "AdamW (foreach)"}[fused] or overrides[0].startswith(
         "trainer.optimizer") and optimizer(cfg) == "torch.optim.SGD"
+
+
+def test_the_gpu_benchmark_runs_its_path_on_the_cpu(tmp_path):
+    """`benchmarks/gpu.py --smoke`: xtrain and the HF Trainer, each in a process of its own, train the same model;
+    the table, the ratio, the steady rate against the logged windows and where a step's time goes, per kind of
+    kernel (on a CPU: its operators), all come out."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = tmp_path / "bench.md"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--steps", "20", "--out", str(out),
+                           "--only", "xtrain defaults,HF Trainer defaults"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = {row["name"]: row for row in map(json.loads, [line for line in proc.stdout.splitlines() if line[:1] == "{"])}
+    assert set(rows) == {"xtrain defaults", "HF Trainer defaults"}
+    ours, theirs = rows["xtrain defaults"], rows["HF Trainer defaults"]
+    assert ours["parameters"] == theirs["parameters"] > 0 and ours["tokens_per_s"] > 0 and theirs["tokens_per_s"] > 0
+    assert len(ours["windows"]) == 3  # steps 6-10, 11-15, 16-20: the first window (start-up, profiled) left out
+    profile = ours["profile"]
+    assert profile["kinds_ms"]["bf16/fp32 matmul"] > 0 and sum(profile["kinds_ms"].values()) == pytest.approx(
+        profile["kernels_ms"])
+    text = out.read_text()
+    assert text.count("| xtrain defaults |") == 2 and "| HF Trainer defaults |" in text and "failed" not in text
+    ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    assert f"- every run trains the same model: {ours['parameters']:,} parameters" in text
+    assert f"- xtrain defaults / HF Trainer defaults: {ratio:.2f}x" in text
+    assert "- xtrain defaults: result.json's steady rate / median of its windows after the first: " in text
