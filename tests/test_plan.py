@@ -223,3 +223,30 @@ def test_the_activation_estimate_is_what_autograd_keeps(precision):
         F.cross_entropy(model(ids).logits.flatten(0, 1).float(), ids.flatten())
     kept = sum(saved.values())
     assert estimated == pytest.approx(kept, rel=0.05)
+
+
+def test_a_config_built_models_facts_are_kept_in_the_cache_and_read_back_without_building_it(tmp_path, monkeypatch):
+    """A launch reads a config-built LM's facts from the cache instead of importing its code and building it on
+    meta; another setting, another entry; a pretrained model's facts are never kept; a dry run writes none."""
+    from xtrain.tasks import facts as facts_module
+
+    monkeypatch.setenv("XTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(facts_module, "_FACTS", {})
+    fsdp = compose_run("model=tiny_llama", "strategy=fsdp", "precision=bf16")
+    model_facts(compose_run("model=tiny_llama", "strategy=fsdp", "precision=bf16", "dry_run=true"))
+    assert not (tmp_path / "model-facts").exists()
+    monkeypatch.setattr(facts_module, "_FACTS", {})
+    built = model_facts(fsdp)
+    assert built[1].wrap_layer == "LlamaDecoderLayer" and built[0] > 0
+    assert len(list((tmp_path / "model-facts").iterdir())) == 1
+
+    def no_build(cfg):
+        raise AssertionError("built the model again")
+
+    monkeypatch.setattr(facts_module, "_FACTS", {})
+    monkeypatch.setattr(facts_module, "_model_facts", no_build)
+    assert model_facts(fsdp) == built
+    with pytest.raises(AssertionError, match="built the model again"):
+        model_facts(compose_run("model=tiny_llama", "strategy=fsdp", "precision=bf16", "model.num_layers=3"))
+    pretrained = compose_run("model.source=pretrained", f"model.name_or_path={tmp_path / 'somewhere'}")
+    assert facts_module._stored(pretrained, "any") is None

@@ -3,7 +3,14 @@ ZeRO's bucket size and the LoRA-trainable count."""
 
 from __future__ import annotations
 
-from xtrain.config.schema import RunConfig, Strategy
+import dataclasses
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+from xtrain.config.schema import ModelSource, RunConfig, Strategy, TaskKind
+from xtrain.core.files import write_atomic
 from xtrain.distributed import fp8, mesh, plugins
 
 _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
@@ -11,11 +18,45 @@ _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 
 def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
-    Kept per model for the process: a sweep's points mostly share theirs."""
-    key = repr((cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer, cfg.precision))
+    Kept per model for the process (a sweep's points mostly share theirs) and, for a language model built from
+    config, in the data cache: a launch reads them there without importing the model's code (2 s)."""
+    key = repr((cfg.task.name, cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer, cfg.precision))
     if key not in _FACTS:
-        _FACTS[key] = _model_facts(cfg)
+        stored = _stored(cfg, key)
+        _FACTS[key] = _read(stored) if stored is not None and stored.exists() else _model_facts(cfg)
+        if stored is not None and not stored.exists() and not cfg.dry_run:  # (a dry run writes nothing)
+            stored.parent.mkdir(parents=True, exist_ok=True)
+            n_params, facts = _FACTS[key]
+            write_atomic(stored, json.dumps({"parameters": n_params, "facts": dataclasses.asdict(facts)}))
     return _FACTS[key]
+
+
+def _stored(cfg: RunConfig, key: str) -> Path | None:
+    """Where a model's facts are kept: only for a causal LM built from config (its facts follow from the settings
+    alone, not from files or a user's code), under a key of the settings, the libraries that build and count the
+    model, and xtrain's own source as installed."""
+    if cfg.task.name is not TaskKind.causal_lm or cfg.model.source is not ModelSource.config:
+        return None
+    from xtrain.data.sources import cache_dir
+
+    package = Path(__file__).resolve().parents[1]
+    source = sorted((str(p.relative_to(package)), p.stat().st_size, p.stat().st_mtime_ns) for p in package.rglob("*.py"))
+    libraries = [_version(name) for name in ("torch", "transformers", "peft")]
+    digest = hashlib.sha256(repr((key, libraries, source)).encode()).hexdigest()[:24]
+    return Path(cache_dir(cfg.data)) / "model-facts" / f"{digest}.json"
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _read(path: Path) -> tuple[int, plugins.ModelFacts]:
+    stored = json.loads(path.read_text())
+    facts = stored["facts"]
+    return stored["parameters"], plugins.ModelFacts(**{**facts, "fp8_layers": tuple(facts["fp8_layers"])})
 
 
 def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
