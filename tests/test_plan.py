@@ -250,3 +250,8 @@ def test_a_config_built_models_facts_are_kept_in_the_cache_and_read_back_without
         model_facts(compose_run("model=tiny_llama", "strategy=fsdp", "precision=bf16", "model.num_layers=3"))
     pretrained = compose_run("model.source=pretrained", f"model.name_or_path={tmp_path / 'somewhere'}")
     assert facts_module._stored(pretrained, "any") is None
+    monkeypatch.undo()  # a cache it cannot write to: the facts are computed and the launch goes on
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("XTRAIN_CACHE_DIR", str(tmp_path / "not-a-dir"))
+    monkeypatch.setattr(facts_module, "_FACTS", {})
+    assert model_facts(fsdp) == built

@@ -3,6 +3,7 @@ ZeRO's bucket size and the LoRA-trainable count."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,9 +26,10 @@ def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
         stored = _stored(cfg, key)
         _FACTS[key] = _read(stored) if stored is not None and stored.exists() else _model_facts(cfg)
         if stored is not None and not stored.exists() and not cfg.dry_run:  # (a dry run writes nothing)
-            stored.parent.mkdir(parents=True, exist_ok=True)
             n_params, facts = _FACTS[key]
-            write_atomic(stored, json.dumps({"parameters": n_params, "facts": dataclasses.asdict(facts)}))
+            with contextlib.suppress(OSError):  # (a cache it may only read, e.g. a team's prepared data)
+                stored.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(stored, json.dumps({"parameters": n_params, "facts": dataclasses.asdict(facts)}))
     return _FACTS[key]
 
 
