@@ -243,6 +243,24 @@ def test_torchruns_port_is_drawn_below_the_kernels_ephemeral_range():
     assert all(1024 <= port < low for port in ports) and len(ports) > 1
 
 
+def test_a_rank_imports_neither_deepspeed_nor_datasets_for_accelerates_type_checks():
+    """Accelerate tests a model against DeepSpeed's engine and a multi-process run's dataset against `datasets`'
+    IterableDataset, importing each to do so (0.2 s and 0.45 s of every rank's start-up); nothing is one before
+    its library is imported."""
+    code = (
+        "import sys, torch\n"
+        "import xtrain.engine.accelerator\n"
+        "from accelerate.data_loader import prepare_data_loader\n"
+        "from accelerate.utils import extract_model_from_parallel\n"
+        "loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)\n"
+        "assert len(prepare_data_loader(loader, num_processes=2, process_index=1, put_on_device=False)) == 2\n"
+        "extract_model_from_parallel(torch.nn.Linear(2, 2))\n"
+        "print('IMPORTED', [m for m in ('deepspeed', 'datasets') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "IMPORTED []" in out
+
+
 def test_two_runs_at_once_on_one_machine_do_not_collide(tmp_path, started):
     """Each local launch picks a free rendezvous port."""
     runs = [tmp_path / "a", tmp_path / "b"]

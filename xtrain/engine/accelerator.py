@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from accelerate import data_loader as accelerate_data_loader
 from accelerate.utils import other as accelerate_other
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -32,17 +33,20 @@ from xtrain.distributed import cpu_seams, plugins
 from xtrain.engine import tracking
 
 
-def _deepspeed_imported() -> bool:
-    """Whether a model can be a DeepSpeed engine: only once DeepSpeed is imported."""
+def _imported(module: str):
+    """Whether `module` is imported: an object can only be an instance of its classes once it is."""
     import sys
 
-    return "deepspeed" in sys.modules
+    return lambda: module in sys.modules
 
 
-# Accelerate's unwrap (`extract_model_from_parallel`, under `unwrap_model` and `prepare`) imports DeepSpeed
-# wherever it is installed, to test a model against its engine class: 0.2 s of every run's start-up. No model is
-# a DeepSpeed engine before DeepSpeed is imported (ZeRO runs import it as they build their plugin).
-accelerate_other.is_deepspeed_available = _deepspeed_imported
+# Accelerate tests objects against classes of libraries it imports for the test, wherever they are installed: its
+# unwrap (`extract_model_from_parallel`, under `unwrap_model` and `prepare`) a model against DeepSpeed's engine
+# (0.2 s of every run's start-up), and `prepare_data_loader` a multi-process run's dataset against `datasets`'
+# IterableDataset (0.45 s of every rank's, pandas included). No model is a DeepSpeed engine before DeepSpeed is
+# imported (ZeRO runs import it as they build their plugin), no dataset a `datasets` one before `datasets` is.
+accelerate_other.is_deepspeed_available = _imported("deepspeed")
+accelerate_data_loader.is_datasets_available = _imported("datasets")
 
 
 def plugin_kwargs(cfg: RunConfig, facts: plugins.ModelFacts) -> dict:
