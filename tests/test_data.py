@@ -123,6 +123,18 @@ def test_the_cache_key_follows_corpus_tokenizer_block_size_and_split(tmp_path, c
     assert prepare(*base).path != first
 
 
+def test_a_prepared_corpus_is_found_without_importing_transformers(short_run):
+    """A multi-process run's launcher finds the entry (by its key: the tokenizer's JSON and EOS id, read with
+    tokenizers alone); transformers' tokenizer is loaded when a rank asks for it."""
+    code = ("import sys\nfrom xtrain.config import schema\nfrom xtrain.tasks.causal_lm import corpus\n"
+            f"cfg = schema.load({str(short_run / 'run.yaml')!r})\n"
+            "prepared = corpus.prepare(cfg.data, cfg.model)\n"
+            "print('FOUND', not prepared.fresh, 'transformers' in sys.modules)\n"
+            "print('LOADED', prepared.tokenizer.eos_token, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert "FOUND True False" in out and "LOADED <|endoftext|> True" in out
+
+
 def test_preparation_in_parallel_gives_the_tokens_of_one_process(tmp_path, cache, monkeypatch):
     write(tmp_path / "c.jsonl", documents(3_000_000, seed=4))  # three chunks or more: a pool of processes
     one = prepare("data=text", f"data.files=[{tmp_path}/c.jsonl]", "data.num_proc=1")

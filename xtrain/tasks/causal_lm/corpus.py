@@ -13,6 +13,7 @@ preparers never both write it (the second waits, then reuses it), and one that i
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -43,8 +45,14 @@ PROGRESS_EVERY_S = 10.0
 class Prepared:
     path: Path  # the cache entry
     meta: dict
-    tokenizer: object  # a transformers fast tokenizer
+    load_tokenizer: Callable[[], object]
     fresh: bool  # prepared by this call (not found in the cache)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """A transformers fast tokenizer, loaded when first asked for (the launcher of a multi-process run finds
+        a trained tokenizer's entry without importing transformers)."""
+        return self.load_tokenizer()
 
     def describe(self) -> str:
         m = self.meta
@@ -59,12 +67,13 @@ class Prepared:
         return Blocks(tokens, val, self.meta, "train"), Blocks(tokens, val, self.meta, "val")
 
 
-def trained_tokenizer(source, model: ModelConfig, data: DataConfig):
-    """A byte-level BPE tokenizer trained on a bounded, evenly spread sample of the corpus (cached)."""
+def trained_tokenizer(source, model: ModelConfig, data: DataConfig) -> Path:
+    """A byte-level BPE tokenizer trained on a bounded, evenly spread sample of the corpus (cached): its directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     def write(path: Path) -> None:
+        from transformers import PreTrainedTokenizerFast
+
         log.info("data: training a %d-token BPE tokenizer on up to %d MB of %s", model.vocab_size,
                  TOKENIZER_SAMPLE_CHARS >> 20, source.name)
         tok = Tokenizer(models.BPE())
@@ -79,8 +88,14 @@ def trained_tokenizer(source, model: ModelConfig, data: DataConfig):
 
     final = Path(cache_dir(data), "tokenizers", sha(source.fingerprint, str(model.vocab_size), VERSION))
     build_once(final, write, "the tokenizer")
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(final)
-    tokenizer.model_max_length = data.block_size  # what the exported model's tokenizer says
+    return final
+
+
+def load_trained_tokenizer(path: Path, block_size: int):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer.model_max_length = block_size  # what the exported model's tokenizer says
     return tokenizer
 
 
@@ -103,18 +118,24 @@ def prepare(data: DataConfig, model: ModelConfig) -> Prepared:
     source = open_source(data)
     if model.source is ModelSource.pretrained:
         tokenizer = pretrained_tokenizer(model)
+        tokenizer_json, eos = tokenizer.backend_tokenizer.to_str(), tokenizer.eos_token_id
+        load = lambda: tokenizer
     else:
-        tokenizer = trained_tokenizer(source, model, data)
-    tokenizer_json = tokenizer.backend_tokenizer.to_str()
-    key = sha(source.fingerprint, sha(tokenizer_json), str(tokenizer.eos_token_id), str(data.block_size),
+        from tokenizers import Tokenizer
+
+        path = trained_tokenizer(source, model, data)
+        backend = Tokenizer.from_file(str(path / "tokenizer.json"))  # what transformers' tokenizer wraps
+        tokenizer_json, eos = backend.to_str(), backend.token_to_id(EOS)
+        load = functools.cache(functools.partial(load_trained_tokenizer, path, data.block_size))
+    key = sha(source.fingerprint, sha(tokenizer_json), str(eos), str(data.block_size),
               str(data.val_fraction), str(data.max_val_tokens), VERSION)
     final = Path(cache_dir(data), "prepared", key)
 
     def write(path: Path) -> None:
-        write_entry(path, source, tokenizer_json, tokenizer.eos_token_id, len(tokenizer), data)
+        write_entry(path, source, tokenizer_json, eos, len(load()), data)
 
     fresh = build_once(final, write, "the data")
-    return Prepared(final, json.loads((final / META).read_text()), tokenizer, fresh)
+    return Prepared(final, json.loads((final / META).read_text()), load, fresh)
 
 
 def write_entry(path: Path, source, tokenizer_json: str, eos: int, vocab: int, data: DataConfig) -> None:
