@@ -54,6 +54,16 @@ def fp8_on_cpu(cfg: RunConfig) -> bool:
             and _switched_on(FP8_ON_CPU_ENV))
 
 
+def compile_fp8_without_cpu_vectors() -> None:
+    """fp8 seam with trainer.compile: inductor's C++ code for the CPU without SIMD vectors. With them, torch 2.13
+    miscompiles torchao's backward (weight gradients of layers that share an input read uninitialised memory;
+    five lines reproduce it without torchao: a bf16 tensor's `.t().float().t().contiguous()` taken twice in one
+    kernel). GPUs compile through Triton, not this code."""
+    import torch._inductor.config
+
+    torch._inductor.config.cpp.simdlen = 1
+
+
 def present_cpu_as_accelerator(fsdp_plugin, timeout: timedelta) -> None:
     """FSDP seam, before the Accelerator exists: the gloo group a CPU run gets, presented as an accelerator
     group. FSDP2 runs over gloo as it is; the one other difference from a GPU run is unpinned host memory
