@@ -141,7 +141,8 @@ def test_a_custom_run_killed_and_resumed_ends_bitwise_equal_with_its_best_values
 
 
 def test_two_processes_give_the_one_process_metrics_exactly(digits_run, project, tmp_path):
-    """297 val examples, 2 ranks x batch 16: the sampler pads the last batch; the gathered metrics drop the pad."""
+    """297 val examples, 2 ranks x batch 16: the sampler pads the last batch; the gathered metrics drop the pad.
+    (The val loss to float32's rounding: on some CPUs a batch of 16 and one of 32 round a logit differently.)"""
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "trainer.batch_size=16", "cluster.num_processes=2",
                cwd=project)
@@ -151,7 +152,7 @@ def test_two_processes_give_the_one_process_metrics_exactly(digits_run, project,
     assert first_one["step"] == first_two["step"] == 0
     assert first_two["val/accuracy"] == first_one["val/accuracy"]
     assert first_two["val/f1_macro"] == first_one["val/f1_macro"]
-    assert first_two["val/loss"] == pytest.approx(first_one["val/loss"], rel=1e-9)
+    assert first_two["val/loss"] == pytest.approx(first_one["val/loss"], rel=1e-6)
     from safetensors.torch import load_file
 
     expected, got = load_file(digits_run / "model" / "model.safetensors"), load_file(run_dir / "model" / "model.safetensors")

@@ -124,7 +124,8 @@ def test_a_vit_learns_from_npz_arrays(tmp_path):
 def test_a_vit_on_two_processes_follows_one_process(tmp_path):
     """2 ranks x batch 16 against 1 process x batch 32 (the same effective batch; a ViT has no batch statistics):
     the same weights within rtol 1e-3 / atol 1e-4, and step 0's eval over 270 images (2 x 16 does not divide them)
-    exactly one process's."""
+    one process's: its accuracy exactly, its loss to float32's rounding (on some CPUs a batch of 16 and one of 32
+    round a logit differently)."""
     vit = [f"data.files=[{digits_npz(tmp_path)}]", *[a for a in TRAIN if not a.startswith("trainer.batch_size")],
            "model=vit", "model.patch_size=2", "trainer.max_steps=24", "trainer.eval_every=12", "trainer.save_every=24"]
     one, two = tmp_path / "one", tmp_path / "two"
@@ -133,7 +134,7 @@ def test_a_vit_on_two_processes_follows_one_process(tmp_path):
     assert read_result(two)["world_size"] == 2
     first_one, first_two = read_metrics(one)[0], read_metrics(two)[0]
     assert first_one["step"] == first_two["step"] == 0 and first_two["val/accuracy"] == first_one["val/accuracy"]
-    assert first_two["val/loss"] == pytest.approx(first_one["val/loss"], rel=1e-9)
+    assert first_two["val/loss"] == pytest.approx(first_one["val/loss"], rel=1e-6)
     from conftest import model_weights
 
     expected, got = model_weights(one), model_weights(two)
