@@ -37,7 +37,7 @@ class PrecisionConfig:
     """precision.fp8_backend=torchao only: how torchao scales to fp8, `tensorwise` or `rowwise`."""
     fp8_skip: List[str] = field(default_factory=list)
     """precision.fp8_backend=torchao only: linear layers kept in bf16, by a part of their names (e.g.
-    `[self_attn]`); the model's first and last linear layers always are."""
+    `[self_attn]`); the model's input layer and output head always are."""
 
     def __post_init__(self) -> None:
         torchao = self.name is Precision.fp8 and self.fp8_backend is Fp8Backend.torchao

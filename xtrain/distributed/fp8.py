@@ -1,8 +1,10 @@
 """fp8 with torchao: its recipe, and which linear layers train in fp8.
 
 A layer trains in fp8 where torch's fp8 matmul can take it (both dimensions multiples of 16), unless it is the
-model's first or last linear layer (kept in bf16 for stability, as Accelerate does: the last is usually the
-output head) or a part of its name is in `precision.fp8_skip`. xtrain converts them (`convert`) as soon as the
+model's first or last linear layer outside its repeated blocks (its input layer and output head: kept in bf16
+for stability, as torchtitan keeps the head) or a part of its name is in `precision.fp8_skip`. A first or last
+linear layer inside a block (a Llama's first is `model.layers.0.self_attn.q_proj`) converts like the same layer
+of every other block: a block kept apart would be one more block to compile, and no more stable. xtrain converts them (`convert`) as soon as the
 model is built: before FSDP2 shards it (torchao's fp8 all-gather wraps the weights it shards), before it is
 compiled and before its optimizer exists. Accelerate's own pass at `prepare` then has nothing left to convert
 (`converted_already`); it adds FSDP2's scale hook.
@@ -31,10 +33,15 @@ def plain(name: str) -> str:
 def layers(model: torch.nn.Module, precision: PrecisionConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(the linear layers that train in fp8, those kept in bf16), by name."""
     linears = [(plain(name), m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    ends = {linears[0][0], linears[-1][0]} if linears else set()
+    ends = {name for name, _ in linears[:1] + linears[-1:] if not in_a_block(name)}
     chosen = [name for name, m in linears if name not in ends and not any(part in name for part in precision.fp8_skip)
               and m.in_features % 16 == 0 and m.out_features % 16 == 0]
     return tuple(chosen), tuple(name for name, _ in linears if name not in chosen)
+
+
+def in_a_block(name: str) -> bool:
+    """Whether a module is inside one of the model's repeated blocks (a numbered part of its name: `layers.0.`)."""
+    return any(part.isdigit() for part in name.split("."))
 
 
 def check(precision: PrecisionConfig, chosen: tuple, model_class: str) -> None:
@@ -43,7 +50,7 @@ def check(precision: PrecisionConfig, chosen: tuple, model_class: str) -> None:
         skip = f", nor in precision.fp8_skip=[{','.join(precision.fp8_skip)}]" if precision.fp8_skip else ""
         raise ConfigError(
             f"precision=fp8: no linear layer of {model_class} can train in fp8 with torchao (it takes nn.Linear layers "
-            f"with sides that are multiples of 16, other than the first and last{skip}); use a model with such layers "
+            f"with sides that are multiples of 16, other than its input layer and output head{skip}); use a model with such layers "
             "(e.g. model=tiny_llama) or precision=bf16"
         )
 
