@@ -24,9 +24,13 @@ from xtrain.config.schema import RunConfig
 # The suite's two xdist streams share the machine's cores, so its training processes are often more threads than
 # cores. libgomp's threads then spin at every barrier while the thread they wait for is off the CPU: two 2-thread
 # runs at once on 2 cores each trained at 1/12 of their speed alone (measured: 1,280 vs 15,068 tokens/s); waiting
-# passively, each at about half. Set before torch loads (none of the imports above loads it), for this process
-# and every process the tests start.
+# passively, each at about half. And a single-process run takes one thread, the share of one stream: on a 2-core
+# machine with the other core busy, a 60-step run of the default model took 19.4 s of CPU on one thread against 21.1
+# on two, and less time too (19.4 vs 21.2 s). (Multi-process runs split the cores as users' do: xtrain sets each
+# worker's threads.) Set before torch loads (none of the imports above loads it), for this process and every
+# process the tests start.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 
