@@ -105,7 +105,8 @@ def test_two_processes_give_one_processs_first_eval_exactly_and_learn(encoder, r
     step 0's eval is one process's. Dropout draws differ per rank, so later evals are only good."""
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, "task.num_labels=2", "trainer.batch_size=12",
-                                              "cluster.num_processes=2"))
+                                              "cluster.num_processes=2", "trainer.max_steps=15",
+                                              "trainer.save_every=15"))  # (measured: accuracy 1.0 at step 15)
     result, one = read_result(run_dir), read_metrics(trained)[0]
     assert result["world_size"] == 2 and result["val_accuracy"] >= 0.9
     first = read_metrics(run_dir)[0]
