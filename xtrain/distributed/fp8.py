@@ -4,10 +4,11 @@ A layer trains in fp8 where torch's fp8 matmul can take it (both dimensions mult
 model's first or last linear layer outside its repeated blocks (its input layer and output head: kept in bf16
 for stability, as torchtitan keeps the head) or a part of its name is in `precision.fp8_skip`. A first or last
 linear layer inside a block (a Llama's first is `model.layers.0.self_attn.q_proj`) converts like the same layer
-of every other block: a block kept apart would be one more block to compile, and no more stable. xtrain converts them (`convert`) as soon as the
-model is built: before FSDP2 shards it (torchao's fp8 all-gather wraps the weights it shards), before it is
-compiled and before its optimizer exists. Accelerate's own pass at `prepare` then has nothing left to convert
-(`converted_already`); it adds FSDP2's scale hook.
+of every other block: a block kept apart would be one more block to compile, and no more stable.
+
+xtrain converts them (`convert`) as soon as the model is built: before FSDP2 shards it (torchao's fp8 all-gather
+wraps the weights it shards), before it is compiled and before its optimizer exists. Accelerate's own pass at
+`prepare` then has nothing left to convert (`converted_already`); it adds FSDP2's scale hook.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def check(precision: PrecisionConfig, chosen: tuple, model_class: str) -> None:
         skip = f", nor in precision.fp8_skip=[{','.join(precision.fp8_skip)}]" if precision.fp8_skip else ""
         raise ConfigError(
             f"precision=fp8: no linear layer of {model_class} can train in fp8 with torchao (it takes nn.Linear layers "
-            f"with sides that are multiples of 16, other than its input layer and output head{skip}); use a model with such layers "
-            "(e.g. model=tiny_llama) or precision=bf16"
+            f"with sides that are multiples of 16, other than its input layer and output head{skip}); use a model with "
+            "such layers (e.g. model=tiny_llama) or precision=bf16"
         )
 
 
