@@ -112,6 +112,23 @@ def test_zero_resume_continues_exactly(tmp_path, zero_runs, strategy):
     assert after_10(resumed) == after_10(unbroken)
 
 
+def test_a_zero3_resume_applies_a_new_lr_and_weight_decay(tmp_path, zero_runs):
+    """resume_changes=apply under ZeRO-3, whose optimizer holds no parameters between steps: the matrices' group
+    takes the new weight decay, the other keeps none, and step 12 trains at the new schedule's lr."""
+    from xtrain.engine.optim import lr_factor
+
+    unbroken = zero_runs("zero3")
+    changed = [*(a for a in RUN if "max_steps" not in a), "trainer.lr=0.004", "trainer.weight_decay=0.05",
+               "trainer.max_steps=12"]
+    run_xtrain(f"run_dir={tmp_path / 'run'}", "strategy=zero3", *changed,
+               f"resume={unbroken / 'checkpoints' / 'step_00000010'}", "resume_changes=apply", env=ZERO_ON_CPU)
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "step_00000012" / "pytorch_model"
+                       / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)["optimizer_state_dict"]
+    assert [g["weight_decay"] for g in saved["optimizer_state_dict"]["param_groups"]] == [0.05, 0.0]
+    lrs = {r["step"]: r["train/lr"] for r in read_metrics(tmp_path / "run") if "train/lr" in r}
+    assert lrs[12] == pytest.approx(0.004 * lr_factor(11, compose_run(*changed).trainer), rel=1e-6)
+
+
 def test_a_zero3_checkpoint_continues_under_ddp_and_exports_the_runs_model(tmp_path, zero_runs):
     """DeepSpeed's universal checkpoint, read whole: ZeRO-3 on 2 processes continues on 1 under DDP (grad_accum 2 ->
     4 keeps the effective batch) along the unbroken ZeRO-3 run; its last checkpoint exports to the run's model/."""

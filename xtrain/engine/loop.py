@@ -173,7 +173,7 @@ class Run:
                 log.info("resumed on another world: %s", reshard.moved_text(self.moved))
             found = resume.changes(state["config"], schema.to_container(cfg)) if "config" in state else []
             if any(change.trains for change in found):  # (preflight refused what cannot apply)
-                set_hyperparameters(c.optimizer, c.scheduler, cfg)
+                set_hyperparameters(c.model, c.optimizer, c.scheduler, cfg)
                 log.info("resumed with new settings: %s", ", ".join(str(change) for change in found if change.trains))
             changed = resume.record(found)
         if accelerator.is_main_process:

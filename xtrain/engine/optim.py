@@ -19,12 +19,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     DeepSpeedCPUAdam (vectorized C++ on the host copy; torch's AdamW there is several times slower), except
     in the CPU test seam, whose DeepSpeed is told to accept torch's (cpu_seams.accept_torch_adamw_offloaded)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3 params are flat 1-d shards
-    groups = [
-        {"params": [p for p in params if id(p) in matrix], "weight_decay": cfg.trainer.weight_decay},
-        {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
-    ]
-    groups = [g for g in groups if g["params"]]  # LoRA trains matrices only; DeepSpeed drops an empty group
+    groups = decay_groups(model, cfg.trainer.weight_decay)
     node = given(cfg.trainer.optimizer)
     if node is not None:
         return users_optimizer(node, groups, params, cfg.trainer)
@@ -34,6 +29,18 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)
     return torch.optim.AdamW(groups, **hyper, fused=cfg.trainer.fused_optimizer is True or None)
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """The trained parameters in two groups: the matrices with `weight_decay`, then the rest (biases, norms) with
+    none; an empty group left out (LoRA trains matrices only; DeepSpeed drops an empty group)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    matrix = {id(p) for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2}  # ZeRO-3 params are flat 1-d shards
+    groups = [
+        {"params": [p for p in params if id(p) in matrix], "weight_decay": weight_decay},
+        {"params": [p for p in params if id(p) not in matrix], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
 
 
 def users_optimizer(node: dict, groups: list, params: list, trainer: TrainerConfig) -> torch.optim.Optimizer:
@@ -84,10 +91,11 @@ def lr_factor(step: int, trainer: TrainerConfig) -> float:
     return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def set_hyperparameters(optimizer, scheduler, cfg: RunConfig) -> None:
+def set_hyperparameters(model: torch.nn.Module, optimizer, scheduler, cfg: RunConfig) -> None:
     """A restored optimizer and schedule take run.yaml's learning rate and weight decay (a resume with
     resume_changes=apply); the schedule's shape (warmup, max_steps, min_lr_ratio) is run.yaml's already. A user's
-    optimizer takes its node's arguments (its momentum, its lr) in every group."""
+    optimizer takes its node's arguments (its momentum, its lr) in every group. The groups are known by the model's
+    parameters, not the optimizer's: ZeRO's hold flat 1-d partitions (ZeRO-3's none between steps)."""
     node = given(cfg.trainer.optimizer)
     if node is not None:
         for group in optimizer.param_groups:
@@ -96,9 +104,7 @@ def set_hyperparameters(optimizer, scheduler, cfg: RunConfig) -> None:
         return
     schedule = getattr(scheduler, "scheduler", scheduler)  # Accelerate's wrapper
     schedule.base_lrs = [cfg.trainer.lr] * len(schedule.base_lrs)
-    for group in optimizer.param_groups:
+    for group, built in zip(optimizer.param_groups, decay_groups(model, cfg.trainer.weight_decay), strict=True):
         group["initial_lr"] = cfg.trainer.lr
         group["lr"] = cfg.trainer.lr * lr_factor(schedule.last_epoch, cfg.trainer)
-        first = group["params"][0]
-        if len(getattr(first, "ds_shape", first.shape)) >= 2:  # the matrices' group (build_optimizer)
-            group["weight_decay"] = cfg.trainer.weight_decay
+        group["weight_decay"] = built["weight_decay"]
