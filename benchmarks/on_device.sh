@@ -2,7 +2,7 @@
 # One lent GPU session (the device call carries .whl, made here by benchmarks/device_wheels.sh): the packages the
 # image lacks installed (once per machine), then the side-by-side benchmark and the GPU tests, each within its own
 # time limit (0 skips it). Results in $OUT: bench.md, bench.log, gpu_tests.log.
-#   BENCH_S=420 TESTS_S=170 bash benchmarks/on_device.sh
+#   BENCH_S=420 TESTS_S=240 bash benchmarks/on_device.sh
 # BENCH_ONLY picks runs by name, e.g. BENCH_ONLY="xtrain compile,xtrain fp8 MLP only + compile".
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,9 +18,9 @@ if [ "${BENCH_S:-420}" != 0 ]; then
   timeout "${BENCH_S:-420}" python3 benchmarks/gpu.py ${BENCH_ONLY:+--only "$BENCH_ONLY"} --out "$out/bench.md" 2>&1 \
     | tee "$out/bench.log"
 fi
-if [ "${TESTS_S:-170}" != 0 ]; then
+if [ "${TESTS_S:-240}" != 0 ]; then
   # (SIGINT at the limit: pytest still prints the failures it has, with their tracebacks)
-  timeout -s INT -k 20 "${TESTS_S:-170}" python3 -m pytest -m gpu -s -q -p no:cacheprovider --durations=10 \
-    tests/test_gpu.py 2>&1 \
+  timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -m gpu -s -q -p no:cacheprovider -p benchmarks.as_it_goes \
+    --durations=10 tests/test_gpu.py 2>&1 \
     | tee "$out/gpu_tests.log"
 fi

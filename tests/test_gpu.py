@@ -1,10 +1,10 @@
 """Strategies and precisions on a CUDA GPU (skipped without one): they train, resume, agree with DDP, fit the
-plan, report MFU and fuse AdamW by default. Runs are shared between tests (one per strategy and precision), so
-`pytest -m gpu -s` takes a few minutes on one GPU."""
+plan, report MFU and fuse AdamW by default. The module's runs are shared between tests and start together,
+AT_ONCE at a time (each is mostly start-up), so `pytest -m gpu -s` takes a few minutes on one GPU."""
 
 from __future__ import annotations
 
-import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,22 +21,32 @@ STEPS = ["trainer.max_steps=20", "trainer.log_every=5", "trainer.eval_every=10",
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 WIDER = ["model=tiny_llama", "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
          "model.intermediate_size=1376"]  # (bf16 runs: large enough for the memory band below)
+COMPILED = ("trainer.compile=true",)
+RUNS = [  # (strategy, precision, *more): the slowest first
+    ("ddp", "fp8", *COMPILED), *((s, "fp32") for s in STRATEGIES), *((s, "bf16") for s in STRATEGIES),
+    ("ddp", "fp16"), ("zero2", "fp16"), ("ddp", "fp8"), ("fsdp", "fp8"),
+]
+AT_ONCE = 4  # runs sharing the GPU: each is a process of its own, a few hundred MB of the GPU's memory
+
+
+def train(run_dir, strategy: str, precision: str, *more: str):
+    model = WIDER if precision in ("bf16", "fp8") else []
+    fp8 = ["precision.fp8_backend=torchao"] if precision == "fp8" else []
+    run_xtrain(f"run_dir={run_dir}", f"strategy={strategy}", f"precision={precision}", *fp8, *model, *STEPS, *more,
+               own_process=True)  # (not in this process: runs go on in other threads)
+    return run_dir
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """`trained(strategy, precision)`: the run dir of that run, made once for the module."""
-
-    @functools.cache
-    def run(strategy: str, precision: str, *more: str):
-        run_dir = tmp_path_factory.mktemp(f"{strategy}_{precision}") / "run"
-        model = WIDER if precision in ("bf16", "fp8") else []
-        fp8 = ["precision.fp8_backend=torchao"] if precision == "fp8" else []
-        run_xtrain(f"run_dir={run_dir}", f"strategy={strategy}", f"precision={precision}", *fp8, *model, *STEPS,
-                   *more)
-        return run_dir
-
-    return run
+    """`trained(strategy, precision, *more)`: the run dir of that run of RUNS; all of them start when the first
+    test asks for one."""
+    root = tmp_path_factory.mktemp("runs")
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        runs = {key: pool.submit(train, root / "_".join(key).replace("=", "-") / "run", *key) for key in RUNS}
+        yield lambda *key: runs[key].result()
+        for future in runs.values():
+            future.cancel()
 
 
 @pytest.mark.parametrize("strategy,precision", [*((s, "fp32") for s in STRATEGIES), *((s, "bf16") for s in STRATEGIES),
@@ -50,7 +60,7 @@ def test_strategy_trains_resumes_and_saves_a_loadable_model(trained, strategy, p
     assert AutoModelForCausalLM.from_pretrained(run_dir / "model").num_parameters() == result["model_parameters"]
     if precision == "fp32":  # a checkpoint of this strategy resumes
         run_xtrain(f"run_dir={run_dir}", f"strategy={strategy}", f"precision={precision}", "resume=auto",
-                   "resume_changes=apply", *STEPS[1:], "trainer.max_steps=25")
+                   "resume_changes=apply", *STEPS[1:], "trainer.max_steps=25", own_process=True)
         assert read_result(run_dir)["steps"] == 25
 
 
@@ -88,9 +98,9 @@ def test_fp8_with_torchao_follows_bf16(trained, strategy):
 def test_fp8_compiled_follows_fp8_eager(trained):
     """torch.compile over torchao's fp8 layers (the benchmark's fastest configuration): eager fp8's curve within 1 %
     at every logged step (on the CPU, torch's vectorised inductor code gets this backward wrong)."""
-    compiled = read_result(trained("ddp", "fp8", "trainer.compile=true"))
+    compiled = read_result(trained("ddp", "fp8", *COMPILED))
     assert compiled["status"] == "completed" and compiled["compiled_regions"] >= 8
-    assert train_losses(trained("ddp", "fp8", "trainer.compile=true")) == pytest.approx(
+    assert train_losses(trained("ddp", "fp8", *COMPILED)) == pytest.approx(
         train_losses(trained("ddp", "fp8")), rel=0.01)
 
 
@@ -115,20 +125,19 @@ def test_mfu_is_reported_against_the_gpus_dense_peak_and_adamw_is_fused_by_defau
     assert zero["trainer"]["fused_optimizer"] is False  # DeepSpeed's engine steps it
 
 
-def test_every_visible_gpu_is_a_rank_over_nccl_in_real_bf16(tmp_path):
-    """num_processes=auto: one rank per visible GPU, NCCL between them; bf16 is accepted only where the GPU
-    has bf16 units (compute capability >= 8.0), and the facts xtrain reads without a CUDA context agree."""
+def test_every_visible_gpu_is_a_rank_over_nccl_in_real_bf16(trained, tmp_path):
+    """num_processes=auto (the default): one rank per visible GPU, NCCL between them; bf16 is accepted only where
+    the GPU has bf16 units (compute capability >= 8.0), and the facts xtrain reads without a CUDA context agree."""
     from xtrain.core import machine
 
     facts = machine.gpus()
     assert len(facts) == torch.cuda.device_count()
     assert [g.capability for g in facts] == [torch.cuda.get_device_capability(i) for i in range(len(facts))]
-    run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", "precision=bf16", "cluster.num_processes=auto", *STEPS, check=False)
     if min(g.capability for g in facts) < (8, 0):
+        proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "precision=bf16", *STEPS, check=False, own_process=True)
         assert proc.returncode == 2 and "precision=bf16" in proc.stderr
         return
-    result = read_result(run_dir)
+    result = read_result(trained("ddp", "bf16"))
     assert result["status"] == "completed" and result["world_size"] == torch.cuda.device_count()
     assert result["autocast"] and result["precision"] == "bf16"
     if result["world_size"] > 1:
