@@ -4,6 +4,7 @@ master weights, AdamW (0.9, 0.95), weight decay 0.1, 5 warmup steps then cosine,
 
     python benchmarks/gpu.py [--steps 40] [--out results.md]      # on a GPU: about 5 minutes on an H100
     python benchmarks/gpu.py --smoke                               # on a CPU: the same path on a tiny model
+    python benchmarks/gpu.py --wide --only "xtrain compile,xtrain fp8 (torchao) + compile"   # fp8 at a width of 4096
 
 Each configuration runs in a process of its own, one after another: the bf16 matmul peak (8192³, median of 10
 after 3), xtrain at its defaults, xtrain with `trainer.compile=true`, xtrain with fp8 (torchao) and compile, the
@@ -29,6 +30,8 @@ from pathlib import Path
 
 SHAPE = dict(hidden_size=2048, num_layers=16, num_heads=16, intermediate_size=5632, vocab_size=16384)
 SMOKE = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=172, vocab_size=512)
+# --wide: Llama 2 7B's width and MLP in 8 blocks (1.69 B parameters), batch 8: fp8's matmuls longer beside its casts
+WIDE = dict(hidden_size=4096, num_layers=8, num_heads=32, intermediate_size=11008, vocab_size=16384)
 BATCH, BLOCK, WARMUP, AFTER = 16, 1024, 5, 15
 RUN_TIMEOUT_S = 200  # one configuration's process, start to end
 XTRAIN_RUNS = {
@@ -241,7 +244,8 @@ def run_hf(name: str, compile_: bool, shape: dict, steps: int, block: int, batch
     began = time.time()
     args = [sys.executable, __file__, "--hf-part", str(out), "--steps", str(steps)] + (["--compile"] if compile_ else [])
     try:
-        proc = subprocess.run(args + (["--smoke"] if smoke else []), capture_output=True, text=True,
+        proc = subprocess.run(args + (["--smoke"] if smoke else []) + (["--wide"] if shape is WIDE else []),
+                              capture_output=True, text=True,
                               env={**os.environ, "BENCH_STARTED": str(began)}, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return {"name": name, "error": f"over {RUN_TIMEOUT_S} s"}
@@ -291,12 +295,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: the path, not figures")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
     parser.add_argument("--only", help="comma-separated run names to run (default: all)")
+    parser.add_argument("--wide", action="store_true", help="a model of width 4096 (8 blocks, batch 8) instead")
     parser.add_argument("--hf-part", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--xtrain-part", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("settings", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shape, block, batch = (SMOKE, 32, 4) if args.smoke else (SHAPE, BLOCK, BATCH)
+    shape, block, batch = (SMOKE, 32, 4) if args.smoke else (WIDE, BLOCK, 8) if args.wide else (SHAPE, BLOCK, BATCH)
     if args.hf_part:
         hf_trainer(args.compile, shape, args.steps, block, batch, args.hf_part, args.smoke)
         return
@@ -310,7 +315,7 @@ def main() -> None:
 
         peak = matmul_peak()
         name = torch.cuda.get_device_name()
-        print(f"{name}: bf16 matmul {peak / 1e12:.0f} TFLOP/s", flush=True)
+        print(f"{name}: bf16 matmul {peak / 1e12:.0f} TFLOP/s; model {shape}, block {block}, batch {batch}", flush=True)
         sheet = next((p[0] * 1e12 for key, p in _sheet().items() if key in name), None)
     order = ["xtrain defaults", "HF Trainer defaults", "xtrain compile", "HF Trainer torch_compile",
              "xtrain fp8 (torchao) + compile"]  # (the quick ones first: a time limit cuts the slowest)
