@@ -3,7 +3,8 @@
 # image lacks installed (once per machine), then the side-by-side benchmark and the GPU tests, each within its own
 # time limit (0 skips it). Results in $OUT: bench.md, bench.log, gpu_tests.log.
 #   BENCH_S=420 TESTS_S=240 bash benchmarks/on_device.sh
-# BENCH_ONLY picks runs by name, e.g. BENCH_ONLY="xtrain compile,xtrain fp8 MLP only + compile".
+# BENCH_ONLY picks runs by name, e.g. BENCH_ONLY="xtrain compile,xtrain fp8 MLP only + compile"; BENCH_ARGS passes
+# more of gpu.py's arguments (BENCH_ARGS=--wide: a model of width 4096).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/xtrain-device}
@@ -15,7 +16,8 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/launchers PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 if [ "${BENCH_S:-420}" != 0 ]; then
-  timeout "${BENCH_S:-420}" python3 benchmarks/gpu.py ${BENCH_ONLY:+--only "$BENCH_ONLY"} --out "$out/bench.md" 2>&1 \
+  timeout "${BENCH_S:-420}" python3 benchmarks/gpu.py ${BENCH_ARGS:-} ${BENCH_ONLY:+--only "$BENCH_ONLY"} \
+    --out "$out/bench.md" 2>&1 \
     | tee "$out/bench.log"
 fi
 if [ "${TESTS_S:-240}" != 0 ]; then
