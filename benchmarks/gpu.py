@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,7 @@ SMOKE = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=172, v
 # --wide: Llama 2 7B's width and MLP in 8 blocks (1.69 B parameters), batch 8: fp8's matmuls longer beside its casts
 WIDE = dict(hidden_size=4096, num_layers=8, num_heads=32, intermediate_size=11008, vocab_size=16384)
 BATCH, BLOCK, WARMUP, AFTER = 16, 1024, 5, 15
-RUN_TIMEOUT_S = 200  # one configuration's process, start to end
+RUN_TIMEOUT_S = 300  # one configuration's process, start to end
 XTRAIN_RUNS = {
     "xtrain defaults": [],
     "xtrain compile": ["trainer.compile=true"],
@@ -44,6 +45,12 @@ XTRAIN_RUNS = {
     "xtrain fp8 rowwise + compile": ["precision=fp8", "precision.fp8_backend=torchao", "precision.fp8_recipe=rowwise",
                                      "trainer.compile=true"],
 }
+# inductor's own tuning of its generated kernels (the reductions' and elementwise kernels' launch configurations,
+# chosen by timing them as they compile): fp8's scaling is such kernels
+TUNED = {"TORCHINDUCTOR_COORDINATE_DESCENT_TUNING": "1", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE": "1"}
+XTRAIN_RUNS |= {"xtrain compile + tuned kernels": XTRAIN_RUNS["xtrain compile"],
+                "xtrain fp8 (torchao) + compile + tuned kernels": XTRAIN_RUNS["xtrain fp8 (torchao) + compile"]}
+XTRAIN_ENV = {"xtrain compile + tuned kernels": TUNED, "xtrain fp8 (torchao) + compile + tuned kernels": TUNED}
 HF_RUNS = {"HF Trainer defaults": False, "HF Trainer torch_compile": True}
 
 
@@ -73,7 +80,7 @@ def matmul_peak() -> float:
 
 def run_xtrain(name: str, extra: list[str], shape: dict, steps: int, block: int, batch: int, work: Path,
                smoke: bool) -> dict:
-    run_dir = work / name.replace(" ", "_").replace("(", "").replace(")", "")
+    run_dir = work / "_".join(re.findall(r"[A-Za-z0-9]+", name))  # (a comma in an override would be a sweep)
     settings = [
         f"run_dir={run_dir}", "model=tiny_llama", *(f"model.{k}={v}" for k, v in shape.items()),
         f"data.block_size={block}", f"trainer.batch_size={batch}", f"trainer.max_steps={steps}",
@@ -85,7 +92,8 @@ def run_xtrain(name: str, extra: list[str], shape: dict, steps: int, block: int,
     profile = work / f"{run_dir.name}.profile.json"
     command = [sys.executable, __file__, "--xtrain-part", str(profile), "--steps", str(steps), "--", *settings]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              env={**os.environ, **XTRAIN_ENV.get(name, {})})
     except subprocess.TimeoutExpired:
         return {"name": name, "error": f"over {RUN_TIMEOUT_S} s"}
     if proc.returncode != 0:
@@ -339,7 +347,9 @@ def main() -> None:
              else "the runs' models differ: " + ", ".join(f"{name} {n:,}" for name, n in sizes.items())] if sizes else []
     for a, b in (("xtrain defaults", "HF Trainer defaults"), ("xtrain compile", "HF Trainer torch_compile"),
                  ("xtrain fp8 (torchao) + compile", "xtrain compile"), ("xtrain fp8 MLP only + compile", "xtrain compile"),
-                 ("xtrain fp8 rowwise + compile", "xtrain compile")):
+                 ("xtrain fp8 rowwise + compile", "xtrain compile"), ("xtrain compile + tuned kernels", "xtrain compile"),
+                 ("xtrain fp8 (torchao) + compile + tuned kernels", "xtrain compile + tuned kernels"),
+                 ("xtrain fp8 (torchao) + compile + tuned kernels", "xtrain compile")):
         if a in ratios and b in ratios:
             notes.append(f"{a} / {b}: {ratios[a] / ratios[b]:.2f}x")
     for r in rows:
