@@ -50,26 +50,19 @@ SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accu
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# The modules that take longest on one stream, longest first (measured: 150-320 s each); the rest follow in file order.
-LONGEST_FIRST = ["test_tune.py", "test_zero_on_cpu.py", "test_fsdp_on_cpu.py", "test_finetune.py", "test_mesh.py",
-                 "test_launch.py", "test_data.py", "test_sweep.py", "test_custom_task.py", "test_compile.py",
-                 "test_own_loop.py", "test_train.py"]
+# Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
+BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py",
+                "test_custom_task.py", "test_decorator.py", "test_own_loop.py", "test_train.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Under `pytest -n 3 --dist loadgroup --no-loadscope-reorder` (make test): the SLURM tests in one worker (one
-    worker starts the test cluster, once; they mostly wait on the scheduler), the other modules one at a time in the
-    other two, the longest first so that the streams end together. A module stays in one worker: its module-scoped
-    runs are made once."""
-    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-
-    def uses_slurm(item) -> bool:
-        return "slurm_cluster" in item.fixturenames
-
+    """Under `pytest -n 2 --dist loadgroup` (make test): the SLURM tests run in one worker, everything else in the
+    other (but BESIDE_SLURM). The SLURM tests spend most of their time waiting on the scheduler, with one CPU per
+    job; one worker starts the test cluster, once."""
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("slurm" if uses_slurm(item) else item.path.stem))
-    items.sort(key=lambda item: -1 if uses_slurm(item) else order.get(item.path.name, len(order)))
+        beside = "slurm_cluster" in item.fixturenames or item.path.name in BESIDE_SLURM
+        item.add_marker(pytest.mark.xdist_group("slurm" if beside else "local"))
 
 
 @pytest.fixture(scope="session", autouse=True)
