@@ -288,15 +288,22 @@ def assert_one_line_error(proc, *expected: str) -> str:
     return lines[0]
 
 
+# Injected faults are decided when they are called: the ranks are forks of a process (the launcher's agent) that
+# ran this sitecustomize before any rank existed.
 FAIL_ON_RANK_1 = '''
 import os
-if os.environ.get("RANK") == "1":
-    import xtrain.engine.evaluation
+import xtrain.engine.evaluation
 
-    def evaluate(*args, **kwargs):
+evaluate_as_shipped = xtrain.engine.evaluation.evaluate
+
+
+def evaluate(*args, **kwargs):
+    if os.environ.get("RANK") == "1":
         raise RuntimeError("injected failure on rank 1")
+    return evaluate_as_shipped(*args, **kwargs)
 
-    xtrain.engine.evaluation.evaluate = evaluate
+
+xtrain.engine.evaluation.evaluate = evaluate
 '''
 
 

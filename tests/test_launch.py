@@ -19,7 +19,7 @@ RUN = ["trainer.max_steps=8", "trainer.log_every=2", "trainer.eval_every=4", "tr
 
 
 def processes_of(run_dir: Path) -> list[psutil.Process]:
-    """Live processes whose command line names this run dir (driver, torchrun, workers)."""
+    """Live processes whose command line names this run dir (driver, torchrun, its forked workers)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
@@ -128,8 +128,16 @@ def test_a_failing_rank_stops_every_worker_and_is_reported_first(tmp_path):
 
 HANG_AT_EXIT_ON_RANK_1 = '''
 import os, time
-if os.environ.get("RANK") == "1":
-    os._exit = lambda code: time.sleep(3600)  # the worker's last call, once training is over
+exit_as_shipped = os._exit
+
+
+def exit_or_hang(code):  # a rank's (a fork's) last call, once training is over
+    if os.environ.get("RANK") == "1":
+        time.sleep(3600)
+    exit_as_shipped(code)
+
+
+os._exit = exit_or_hang
 '''
 
 
@@ -216,8 +224,8 @@ def test_signal_to_the_driver_stops_every_worker(tmp_path, started, sig, times):
         assert driver.poll() is None, driver.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.2)
-    workers = [p for p in processes_of(run_dir)
-               if "xtrain.launch.worker" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+    agent_and_forks = [p for p in processes_of(run_dir) if "xtrain.launch.agent" in p.cmdline()]
+    workers = [p for p in agent_and_forks if p.ppid() in {a.pid for a in agent_and_forks}]  # the agent's forks
     assert len(workers) == 2
     for _ in range(times):
         driver.send_signal(sig)
@@ -276,14 +284,19 @@ def test_two_runs_at_once_on_one_machine_do_not_collide(tmp_path, started):
 
 STUCK_ON_RANK_0 = '''
 import os
-if os.environ.get("RANK") == "0":
-    import time
-    import xtrain.tasks.causal_lm.task
+import time
+import xtrain.tasks.causal_lm.task
 
-    def build(self, accelerator):
+build_as_shipped = xtrain.tasks.causal_lm.task.CausalLM.build
+
+
+def build(self, accelerator):
+    if os.environ.get("RANK") == "0":
         time.sleep(3600)  # as a rank reading from a filesystem that stopped answering
+    return build_as_shipped(self, accelerator)
 
-    xtrain.tasks.causal_lm.task.CausalLM.build = build
+
+xtrain.tasks.causal_lm.task.CausalLM.build = build
 '''
 
 

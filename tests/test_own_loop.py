@@ -293,7 +293,8 @@ def test_the_workers_never_outlive_a_driver_killed_outright(project, tmp_path):
     driver = start_xtrain(*args, "trainer.max_steps=100000", "trainer.log_every=1", quiet=True, cwd=project)
     wait_for_rows(run_dir, driver, 8)
     tree = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
-    assert sum("xtrain.launch.worker" in " ".join(p.cmdline()) for p in tree if p.is_running()) >= 2
+    agent_and_forks = [p for p in tree if "xtrain.launch.agent" in p.cmdline()]
+    assert len([p for p in agent_and_forks if p.ppid() in {a.pid for a in agent_and_forks}]) == 2  # a fork per rank
     driver.send_signal(signal.SIGKILL)
     driver.wait()
     gone, alive = psutil.wait_procs(tree[1:], timeout=30)

@@ -1,4 +1,4 @@
-"""One process of a `run_with_accelerate` call: `python -m xtrain.decorator.worker WORKDIR`.
+"""One process of a `run_with_accelerate` call: `run([WORKDIR])`, forked per rank by the launcher's agent.
 
 Runs the pickled function with its keyword arguments; rank 0 writes its return value or
 its exception back for the caller. Any failing rank leaves `logs/errors/rank<R>.json`.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from pathlib import Path
 
 import cloudpickle
@@ -17,9 +16,11 @@ import torch
 from xtrain.decorator.run_with_accelerate import PAYLOAD, RESULT
 from xtrain.launch.worker import write_error
 
+PRELOAD = ("accelerate",)  # imported once by the agent: every rank's function runs under Accelerate
 
-def main() -> None:
-    workdir = Path(sys.argv[1])
+
+def run(argv: list[str]) -> None:
+    workdir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     # SIGTERM keeps its default action (end now): a rank blocked in a rendezvous or collective cannot
     # run a Python handler, and torchrun would wait 30 s before killing it.
@@ -61,7 +62,3 @@ def join_cpu_group() -> None:
         original(self, True, **kwargs)
 
     PartialState.__init__ = on_cpu
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """N worker processes per node through torch's elastic launcher (torchrun), supervised by the driver.
 
-The driver has written the run dir; torchrun starts `python -m xtrain.launch.worker RUN_DIR` per
-local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to
+The driver has written the run dir; torchrun (`python -m xtrain.launch.agent`, torchrun's own elastic agent with
+its ranks forked) runs `xtrain.launch.worker.run([RUN_DIR])` per local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to
 `logs/launcher-node<R>.log`. If a worker fails, torchrun stops the others and the driver
 shows the failing rank's own error first. SIGINT to the driver stops the whole process tree
 (torchrun first, then anything left, by force after a grace period); SIGTERM / SIGUSR1 / SIGUSR2
@@ -89,7 +89,7 @@ class Topology:
 def torchrun_command(topology: Topology, workdir: Path, port: int, module_args: list[str]) -> list[str]:
     t = topology
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "xtrain.launch.agent",
         f"--nnodes={t.nodes}", f"--node-rank={t.node_rank}", f"--nproc-per-node={t.processes_per_node}",
         f"--master-addr={t.main_process_ip}", f"--master-port={port}",
         f"--log-dir={workdir / 'logs' / f'node{t.node_rank}'}", "--tee=3", "--local-ranks-filter=0",

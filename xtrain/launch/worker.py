@@ -1,4 +1,4 @@
-"""One training process: `python -m xtrain.launch.worker RUN_DIR`, started N times per node by the launcher.
+"""One training process: `run([RUN_DIR])`, forked N times per node by the launcher's agent (`xtrain.launch.agent`).
 
 It reads the run dir (never composes config). A failure leaves `logs/errors/rank<R>.json`
 with the rank's own error, which the driver shows first.
@@ -23,6 +23,9 @@ from xtrain.core import stopping
 from xtrain.core.errors import CallbackFailed, ConfigError, Diverged, Terminated
 from xtrain.core.files import keep_private, write_atomic
 from xtrain.core.rundir import ERRORS_DIR
+
+# What every rank imports before its first step (torch, transformers' models, Accelerate), imported once by the agent
+PRELOAD = ("xtrain.engine.loop", "transformers.modeling_utils")
 
 
 def configure_logging() -> None:
@@ -59,8 +62,11 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
     }))
 
 
-def main() -> None:
-    run_dir = Path(sys.argv[1])
+def run(argv: list[str]) -> None:
+    """Trains the run dir `argv[0]` as this rank; returns when the run has ended and written its results. The fork
+    then ends without the interpreter's teardown, where a C++ destructor sometimes aborted after ZeRO ("terminate
+    called without an active exception")."""
+    run_dir = Path(argv[0])
     rank = int(os.environ.get("RANK", "0"))
     keep_private()
     configure_logging()  # quieter on ranks other than 0
@@ -83,14 +89,4 @@ def main() -> None:
             sys.stderr.flush()
             os._exit(2)
         raise
-    # Done: results written, trackers closed, process group destroyed. After ZeRO runs a C++
-    # destructor sometimes aborts the interpreter's teardown ("terminate called without an active
-    # exception", 1 run in ~8 here), which would fail a finished run; skip the teardown.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
-
-if __name__ == "__main__":
-    main()

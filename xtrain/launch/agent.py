@@ -1,0 +1,47 @@
+"""torchrun whose workers are forks of one process that has already imported what they all import.
+
+`python -m xtrain.launch.agent [torchrun's options] -m MODULE ARGS...`: torchrun's options, rendezvous, log tee and
+failure handling (its elastic agent), but each local rank is a fork of this process that calls `MODULE.run(ARGS)`.
+A worker started anew spends 3-4 s of CPU importing torch, transformers and Accelerate before its first line;
+forked, it starts with them (the modules the worker module names in `PRELOAD`). Nothing here touches a device:
+each fork initialises its own, as `torch.multiprocessing`'s fork start method expects.
+"""
+
+from __future__ import annotations
+
+import importlib
+import signal
+import sys
+
+
+def as_started_anew() -> None:
+    """The signal handlers a new interpreter has: the agent's own (it stops its workers with them) are not the
+    worker's. Ignored signals stay ignored, as across exec."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        if signal.getsignal(s) is not signal.SIG_IGN:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+
+
+def worker(module: str, *args: str) -> None:
+    """One local rank, in its fork: `MODULE.run(ARGS)` with `sys.argv` as `python -m MODULE ARGS` would set it."""
+    as_started_anew()
+    sys.argv = [module, *args]
+    importlib.import_module(module).run(list(args))
+
+
+def main() -> None:
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    args = parse_args(sys.argv[1:])
+    if not args.module:
+        raise SystemExit("xtrain.launch.agent: runs a module's ranks: -m MODULE ARGS")
+    for name in getattr(importlib.import_module(args.training_script), "PRELOAD", ()):
+        importlib.import_module(name)
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config=config, entrypoint=worker)(args.training_script, *args.training_script_args)
+
+
+if __name__ == "__main__":
+    main()
