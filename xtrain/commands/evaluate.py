@@ -153,6 +153,14 @@ def launch(run_dir: Path, processes: int, argv: list[str]) -> None:
         raise LaunchFailed(f"eval failed: {error['summary'] if error else f'exit code {code}'} (see {workdir})", 1)
 
 
+PRELOAD = ("xtrain.engine.loop", "transformers.modeling_utils")  # what each rank imports: once, by the agent
+
+
+def run(argv: list[str]) -> None:
+    """One of `launch`'s ranks (`--worker ...`), forked by the launcher's agent."""
+    main(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = cli.command_argv(__doc__, argv)
     if argv is None:
@@ -181,14 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     except LaunchFailed as err:
         print(f"xtrain.eval: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    if worker:  # (as a training worker: the process group's teardown at exit may abort; it has nothing left to do)
-        import logging
-        import os
-
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    if worker:  # a fork of the launcher's agent: it ends without the interpreter's teardown
+        return
     if record is not None and "answered" in record:
         print(f"answered {record['prompts']} prompt(s): {record['answered']}")
     elif record is not None:
