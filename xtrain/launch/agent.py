@@ -4,7 +4,8 @@
 failure handling (its elastic agent), but each local rank is a fork of this process that calls `MODULE.run(ARGS)`.
 A worker started anew spends 3-4 s of CPU importing torch, transformers and Accelerate before its first line;
 forked, it starts with them (the modules the worker module names in `PRELOAD`). Nothing here touches a device:
-each fork initialises its own, as `torch.multiprocessing`'s fork start method expects.
+each fork initialises its own, as `torch.multiprocessing`'s fork start method expects. A rank ends by returning from
+`run` (or raising): the agent waits for each fork's result, which one that called `os._exit` first never gives.
 """
 
 from __future__ import annotations
