@@ -385,6 +385,32 @@ def test_zero_partitions_your_own_optimizer():
                                                                            plugins.ModelFacts(hidden_size=64))
 
 
+def test_a_language_model_with_code_of_your_own_records_where_it_is_imported_from(project, tmp_path, monkeypatch):
+    """Callbacks or an optimizer by `_target_` make run.yaml's task.code_dir the command's directory (as a model of
+    your own does), and the optimizer imports from there when the command runs elsewhere (a resume, a SLURM node)."""
+    from conftest import compose_run
+    from xtrain.core.errors import ConfigError
+    from xtrain.engine import optim
+
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(project)])  # (as in a fresh process)
+    monkeypatch.chdir(project)
+    assert compose_run().task.code_dir is None
+    assert compose_run("trainer.callbacks=[{_target_: extra.Noted}]").task.code_dir == str(project)
+    users_sgd = compose_run("trainer.optimizer._target_=torch.optim.SGD")
+    assert users_sgd.task.code_dir == str(project)
+    monkeypatch.chdir(tmp_path)
+    (project / "extra_sgd.py").write_text("import torch\n\n\nclass SGD(torch.optim.SGD):\n    pass\n")
+    elsewhere = compose_run("trainer.optimizer._target_=extra_sgd.SGD", "+trainer.optimizer.momentum=0.9")
+    assert elsewhere.task.code_dir == str(tmp_path)
+    with pytest.raises(ConfigError, match="trainer.optimizer._target_=extra_sgd.SGD: cannot import"):
+        optim.check(elsewhere)
+    elsewhere.task.code_dir = str(project)
+    optim.check(elsewhere)
+    model = torch.nn.Linear(3, 2)
+    built = optim.build_optimizer(model, elsewhere)
+    assert type(built).__module__ == "extra_sgd" and built.param_groups[0]["momentum"] == 0.9
+
+
 def test_a_language_models_predictions_are_its_answers_to_prompts(short_run, tmp_path):
     prompts, answers = tmp_path / "prompts.txt", tmp_path / "answers.jsonl"
     prompts.write_text("The function\nA list is\n")

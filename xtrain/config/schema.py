@@ -20,7 +20,7 @@ from xtrain.config.precision import Fp8Backend, Precision, PrecisionConfig  # no
 from xtrain.config.strategy import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
                                      StrategyConfig)
 from xtrain.config.task import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
-                                 check_monitor, monitor_direction, target_data, target_model)
+                                 check_monitor, given, monitor_direction, target_data, target_model)
 from xtrain.config.tracker import TrackerConfig, TrackerKind  # noqa: F401 (re-exported)
 from xtrain.config.trainer import TrainerConfig  # noqa: F401 (re-exported)
 from xtrain.core.errors import ConfigError, override_of, unknown_setting
@@ -143,11 +143,20 @@ def from_container(container: Any) -> RunConfig:
         cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
     check_task(cfg)
     check_monitor(cfg.trainer, cfg.task)
-    if cfg.task.name in (TaskKind.custom, TaskKind.image_cls) and cfg.task.code_dir is None:
+    if cfg.task.code_dir is None and names_users_code(cfg):
         import os
 
         cfg.task.code_dir = os.getcwd()  # (recorded in run.yaml: every rank and node imports from there)
     return cfg
+
+
+def names_users_code(cfg: RunConfig) -> bool:
+    """Whether the run imports code by `_target_` (a model, datasets, a loss, metrics, callbacks, an optimizer or
+    a schedule): its modules may be the user's, imported from `task.code_dir`."""
+    t = cfg.task
+    return (t.name in (TaskKind.custom, TaskKind.image_cls) or given(t.loss) is not None
+            or any(isinstance(m, dict) for m in t.metrics) or bool(cfg.trainer.callbacks)
+            or given(cfg.trainer.optimizer) is not None or given(cfg.trainer.scheduler) is not None)
 
 
 def check_task(cfg: RunConfig) -> None:

@@ -80,8 +80,9 @@ class TaskConfig:
     """`task=custom`: `task.loss._target_=...` (its arguments: `+task.loss.NAME=VALUE`), a loss module or function
     of (outputs, targets), per example or per position (torch's get reduction='none'); unset: cross-entropy."""
     code_dir: Optional[str] = None
-    """`task=custom`: where the `_target_`s' modules are imported from on every rank and node (default: the
-    directory the command runs from)."""
+    """Where the `_target_`s' modules (a model, datasets, a loss, metrics, callbacks, an optimizer, a schedule) are
+    imported from on every rank and node (default: the directory the command runs from, recorded in run.yaml where
+    the run names any)."""
     num_labels: Optional[int] = None
     """`task=seq_cls` and `image_cls`: the number of classes (label ids 0..num_labels-1, or that many distinct label
     names or class folders); 1 for regression."""

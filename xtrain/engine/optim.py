@@ -10,6 +10,7 @@ import torch
 from xtrain.config.schema import Offload, RunConfig, TrainerConfig
 from xtrain.config.task import given
 from xtrain.distributed.cpu_seams import zero_on_cpu
+from xtrain.tasks.custom import importable
 
 TOTAL_STEPS = ("total_steps", "num_training_steps", "T_max", "total_iters")  # filled from trainer.max_steps
 
@@ -21,6 +22,8 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     params = [p for p in model.parameters() if p.requires_grad]
     groups = decay_groups(model, cfg.trainer.weight_decay)
     node = given(cfg.trainer.optimizer)
+    if node is not None or given(cfg.trainer.scheduler):
+        importable(cfg.task.code_dir)
     if node is not None:
         return users_optimizer(node, groups, params, cfg.trainer)
     hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -76,6 +79,7 @@ def check(cfg: RunConfig) -> None:
     parameter), so that a wrong `_target_` or argument is one line before any run dir is written."""
     node = given(cfg.trainer.optimizer)
     if node is not None or given(cfg.trainer.scheduler):
+        importable(cfg.task.code_dir)
         params = list(torch.nn.Linear(2, 2).parameters())
         optimizer = (users_optimizer(node, [{"params": params}], params, cfg.trainer) if node is not None
                      else torch.optim.AdamW(params, lr=cfg.trainer.lr))
