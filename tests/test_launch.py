@@ -200,8 +200,8 @@ def started():
     """Start drivers; any still running when the test ends (a failed assertion) are stopped with their tree."""
     drivers: list[subprocess.Popen] = []
 
-    def launch(*overrides: str) -> subprocess.Popen:
-        drivers.append(start_xtrain(*overrides))
+    def launch(*overrides: str, env: dict | None = None) -> subprocess.Popen:
+        drivers.append(start_xtrain(*overrides, env=env))
         return drivers[-1]
 
     yield launch
@@ -269,17 +269,25 @@ def test_a_rank_imports_neither_deepspeed_nor_datasets_for_accelerates_type_chec
     assert "IMPORTED []" in out
 
 
-def test_two_runs_at_once_on_one_machine_do_not_collide(tmp_path, started):
-    """Each local launch picks a free rendezvous port."""
+def test_two_runs_at_once_on_one_machine_do_not_collide_and_spawned_ranks_train_as_forked_ones(tmp_path, started):
+    """Each local launch picks a free rendezvous port. The second run's ranks start as on a GPU build of torch, each
+    a fresh interpreter (the spawn start method, through its test seam), and train exactly as the forked ones."""
+    from xtrain.launch.agent import SPAWN_ENV
+
     runs = [tmp_path / "a", tmp_path / "b"]
     drivers = [started(f"run_dir={run}", "cluster.num_processes=2", "trainer.batch_size=8", "trainer.max_steps=6",
-                       "trainer.log_every=3", "trainer.eval_every=6", "trainer.save_every=6") for run in runs]
+                       "trainer.log_every=3", "trainer.eval_every=6", "trainer.save_every=6",
+                       env={SPAWN_ENV: "1"} if run.name == "b" else None) for run in runs]
     for driver in drivers:
         _, err = driver.communicate(timeout=300)
         assert driver.returncode == 0, err
     results = [read_result(run) for run in runs]
     assert all(r["status"] == "completed" and r["world_size"] == 2 for r in results)
     assert results[0]["rendezvous"] != results[1]["rendezvous"]
+    started_as = [(run / "logs" / "launcher-node0.log").read_text() for run in runs]
+    assert "2 rank(s) of xtrain.launch.worker, forked" in started_as[0]
+    assert "2 rank(s) of xtrain.launch.worker, each a fresh interpreter (spawn)" in started_as[1]
+    assert train_losses(runs[1]) == train_losses(runs[0]) and results[1]["val_loss"] == results[0]["val_loss"]
 
 
 STUCK_ON_RANK_0 = '''

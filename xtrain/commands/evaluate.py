@@ -157,7 +157,7 @@ PRELOAD = ("xtrain.engine.loop", "transformers.modeling_utils")  # what each ran
 
 
 def run(argv: list[str]) -> None:
-    """One of `launch`'s ranks (`--worker ...`), forked by the launcher's agent."""
+    """One of `launch`'s ranks (`--worker ...`), started by the launcher's agent."""
     main(argv)
 
 

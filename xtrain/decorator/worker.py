@@ -1,4 +1,4 @@
-"""One process of a `run_with_accelerate` call: `run([WORKDIR])`, forked per rank by the launcher's agent.
+"""One process of a `run_with_accelerate` call: `run([WORKDIR])`, started per rank by the launcher's agent.
 
 Runs the pickled function with its keyword arguments; rank 0 writes its return value or
 its exception back for the caller. Any failing rank leaves `logs/errors/rank<R>.json`.

@@ -1,18 +1,23 @@
 """torchrun whose workers are forks of one process that has already imported what they all import.
 
 `python -m xtrain.launch.agent [torchrun's options] -m MODULE ARGS...`: torchrun's options, rendezvous, log tee and
-failure handling (its elastic agent), but each local rank is a fork of this process that calls `MODULE.run(ARGS)`.
+failure handling (its elastic agent), but each local rank is a process of this one's that calls `MODULE.run(ARGS)`.
 A worker started anew spends 3-4 s of CPU importing torch, transformers and Accelerate before its first line;
-forked, it starts with them (the modules the worker module names in `PRELOAD`). Nothing here touches a device:
-each fork initialises its own, as `torch.multiprocessing`'s fork start method expects. A rank ends by returning from
-`run` (or raising): the agent waits for each fork's result, which one that called `os._exit` first never gives.
+forked, it starts with them (the modules the worker module names in `PRELOAD`). Where torch is built for an
+accelerator (CUDA, ROCm, XPU, MPS), each rank is a fresh interpreter instead (the spawn start method): a process
+forked after its parent touched the device, if only to count it, cannot use it, and on a GPU 3 s is nothing. A rank
+ends by returning from `run` (or raising): the agent waits for each rank's result, which one that called
+`os._exit` first never gives.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
+
+SPAWN_ENV = "XTRAIN_TEST_SPAWN_RANKS"  # "1": ranks start as on an accelerator's build of torch (the suite's seam)
 
 
 def as_started_anew() -> None:
@@ -30,6 +35,13 @@ def worker(module: str, *args: str) -> None:
     importlib.import_module(module).run(list(args))
 
 
+def start_method() -> str:
+    """`fork` where torch is built for the CPU alone, else `spawn` (asked without touching a device)."""
+    import torch
+
+    return "fork" if torch.accelerator.current_accelerator() is None and os.environ.get(SPAWN_ENV) != "1" else "spawn"
+
+
 def main() -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -37,10 +49,13 @@ def main() -> None:
     args = parse_args(sys.argv[1:])
     if not args.module:
         raise SystemExit("xtrain.launch.agent: runs a module's ranks: -m MODULE ARGS")
-    for name in getattr(importlib.import_module(args.training_script), "PRELOAD", ()):
-        importlib.import_module(name)
     config, _, _ = config_from_args(args)
-    config.start_method = "fork"
+    config.start_method = start_method()
+    if config.start_method == "fork":
+        for name in getattr(importlib.import_module(args.training_script), "PRELOAD", ()):
+            importlib.import_module(name)
+    print(f"xtrain.launch.agent: {args.nproc_per_node} rank(s) of {args.training_script}, "
+          f"{'forked' if config.start_method == 'fork' else 'each a fresh interpreter (spawn)'}", flush=True)
     elastic_launch(config=config, entrypoint=worker)(args.training_script, *args.training_script_args)
 
 

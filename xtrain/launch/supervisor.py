@@ -1,8 +1,8 @@
 """N worker processes per node through torch's elastic launcher (torchrun), supervised by the driver.
 
 The driver has written the run dir; torchrun (`python -m xtrain.launch.agent`, torchrun's own elastic agent with
-its ranks forked) runs `xtrain.launch.worker.run([RUN_DIR])` per local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to
-`logs/launcher-node<R>.log`. If a worker fails, torchrun stops the others and the driver
+its ranks forked, or spawned on an accelerator's build of torch) runs `xtrain.launch.worker.run([RUN_DIR])` per
+local rank. Local rank 0's output reaches the terminal; torchrun's own messages go to `logs/launcher-node<R>.log`. If a worker fails, torchrun stops the others and the driver
 shows the failing rank's own error first. SIGINT to the driver stops the whole process tree
 (torchrun first, then anything left, by force after a grace period); SIGTERM / SIGUSR1 / SIGUSR2
 ask the workers to stop at a step boundary with a checkpoint (xtrain/core/stopping.py).

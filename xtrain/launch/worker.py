@@ -1,4 +1,4 @@
-"""One training process: `run([RUN_DIR])`, forked N times per node by the launcher's agent (`xtrain.launch.agent`).
+"""One training process: `run([RUN_DIR])`, started N times per node by the launcher's agent (`xtrain.launch.agent`).
 
 It reads the run dir (never composes config). A failure leaves `logs/errors/rank<R>.json`
 with the rank's own error, which the driver shows first.
