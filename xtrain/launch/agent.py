@@ -39,7 +39,9 @@ def start_method() -> str:
     """`fork` where torch is built for the CPU alone, else `spawn` (asked without touching a device)."""
     import torch
 
-    return "fork" if torch.accelerator.current_accelerator() is None and os.environ.get(SPAWN_ENV) != "1" else "spawn"
+    accelerator = getattr(torch, "accelerator", None)  # (torch >= 2.6; before it, CUDA and ROCm builds)
+    built = accelerator.current_accelerator() is not None if accelerator else torch.backends.cuda.is_built()
+    return "spawn" if built or os.environ.get(SPAWN_ENV) == "1" else "fork"
 
 
 def main() -> None:
