@@ -212,9 +212,20 @@ def run_lines(proc) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_two_processes_with_a_10_s_timeout_train_on_a_corpus_that_takes_longer_to_prepare(tmp_path, cache):
-    """The driver prepares before any worker starts: no rank waits in a collective meanwhile."""
-    write(tmp_path / "c.jsonl", documents(65_000_000, seed=6))
+def test_two_processes_with_a_10_s_timeout_train_on_a_corpus_that_takes_longer_to_prepare(tmp_path, cache,
+                                                                                         monkeypatch):
+    """The driver prepares before any worker starts: no rank waits in a collective meanwhile. Its 8 chunks are
+    paced to take 1.6 s each (as a corpus of ~65 MB takes on this CPU, on a fraction of the CPU)."""
+    from xtrain.tasks.causal_lm import tokenize
+
+    encode = tokenize.encode
+
+    def slowly(docs):
+        time.sleep(1.6)
+        return encode(docs)
+
+    monkeypatch.setattr(tokenize, "encode", slowly)  # (the driver prepares in this process: the CLI in-process)
+    write(tmp_path / "c.jsonl", documents(8_000_000, seed=6))
     run_dir = tmp_path / "run"
     proc = run_xtrain(f"run_dir={run_dir}", "data=text", f"data.files=[{tmp_path}/c.jsonl]", "data.num_proc=1",
                       "cluster.num_processes=2", "cluster.timeout_s=10", *TINY)
