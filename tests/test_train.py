@@ -73,6 +73,11 @@ def test_saved_model_loads_with_transformers_and_generates(short_run):
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 8
     assert isinstance(tokenizer.decode(out[0]), str)
+    # GPT-2's activation (gelu_new) as torch's one-kernel tanh GELU: the same function, to float rounding
+    assert model.config.activation_function == "gelu_pytorch_tanh"
+    as_gpt2 = AutoModelForCausalLM.from_pretrained(model_dir, activation_function="gelu_new")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, as_gpt2(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_tiny_llama_trains(tmp_path):

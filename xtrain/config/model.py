@@ -26,7 +26,7 @@ class ModelConfig:
     source: ModelSource = ModelSource.config
     """`config`: build `arch` with the sizes below, random init; `pretrained`: load `name_or_path`."""
     arch: ModelArch = ModelArch.gpt2
-    """Architecture for `source=config`."""
+    """Architecture for `source=config`: transformers' GPT-2 (its tanh GELU in torch's one-kernel form) or Llama."""
     name_or_path: Optional[str] = None
     """For `source=pretrained`: a hub id or a local directory holding the model and its tokenizer."""
     hidden_size: int = 128

@@ -23,7 +23,8 @@ def transformers_config(model: ModelConfig, vocab_size: int, block_size: int, eo
         return GPT2Config(
             n_embd=model.hidden_size, n_layer=model.num_layers, n_head=model.num_heads,
             n_inner=model.intermediate_size, n_positions=block_size,
-            resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout, **common,
+            resid_pdrop=model.dropout, embd_pdrop=model.dropout, attn_pdrop=model.dropout,
+            activation_function="gelu_pytorch_tanh", **common,  # GPT-2's gelu_new in one kernel instead of five
         )
     from transformers import LlamaConfig
 
