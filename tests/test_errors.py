@@ -27,6 +27,7 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.max_steps=0"], ["trainer.max_steps=0", "must be > 0"]),
         (["trainer.lr=-0.001"], ["trainer.lr=-0.001", "must be > 0"]),
         (["trainer.lr=fast"], ["trainer.lr=fast", "not a valid float"]),
+        (["trainer.compile=maybe"], ["trainer.compile=maybe: not a valid bool; use true or false"]),
         (["trainer.bacth_size=8"], ["trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?"]),
         (["resum=auto"], ["resum=auto", "no such setting", "did you mean resume?"]),
         (["model.arch=bert"], ["model.arch=bert", "expected one of [gpt2, llama]"]),

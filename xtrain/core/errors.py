@@ -156,4 +156,6 @@ def explain(err: Exception, settings: list[str]) -> str:
     converted = re.match(r"Value '.*' of type '.*' could not be converted to (\w+)", reason)
     if converted:
         reason = f"not a valid {converted.group(1).lower()}"
+    elif re.match(r"Value '.*' is not a valid bool", reason):
+        reason = "not a valid bool; use true or false"
     return f"{name}{'' if value is None else '=' + value}: {reason}"
