@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from xtrain.config import schema
-from xtrain.config.schema import Export, Precision
+from xtrain.config.schema import Export, Precision, RunConfig
 from xtrain.core import machine, memory, rundir, stopping
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
@@ -71,9 +71,10 @@ def resume_setting(resume: str, run_dir: Path) -> str:
     return "auto" if restarted and checkpoint.newest(run_dir) is not None else resume
 
 
-def train(run_dir: str | Path) -> dict:
+def train(run_dir: str | Path, cfg: RunConfig | None = None) -> dict:
+    """Trains the run dir as this rank; `cfg` is its run.yaml where the caller has read it already."""
     with library_notes_quieted():
-        return Run(Path(run_dir)).train()
+        return Run(Path(run_dir), cfg).train()
 
 
 class Run:
@@ -81,9 +82,9 @@ class Run:
     result.json as it grows (`result`) and clock. Building it builds everything and restores the checkpoint, if
     any; `train()` is the loop."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, cfg: RunConfig | None = None):
         self.run_dir = run_dir
-        self.cfg = cfg = schema.load(str(run_dir / rundir.RUN_CONFIG))
+        self.cfg = cfg = cfg or schema.load(str(run_dir / rundir.RUN_CONFIG))
         # from the driver's start when it launched this worker, else from this process's start
         self.process_start = machine.launch_time()
         machine.name_deepspeed_accelerator()

@@ -80,9 +80,10 @@ def run(argv: list[str]) -> None:
         from xtrain.core import rundir
         from xtrain.engine.loop import train
 
-        timeout_s = schema.load(str(run_dir / rundir.RUN_CONFIG)).cluster.timeout_s
+        cfg = schema.load(str(run_dir / rundir.RUN_CONFIG))
+        timeout_s = cfg.cluster.timeout_s
         with stopping.on(stopping.IN_WORKERS, escalate=False):  # SIGTERM stays Terminated: torchrun stops ranks with it
-            train(run_dir)
+            train(run_dir, cfg)
     except BaseException as err:
         write_error(run_dir, rank, err, timeout_s)
         if isinstance(err, ConfigError):  # the driver says it in one line: no traceback from the rank
