@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import compose_run, xtrain_in_process
+from xtrain.core import machine
 from xtrain.tasks.facts import model_facts
 from xtrain.distributed import estimate, plugins
 
@@ -115,6 +118,59 @@ def test_dry_run_of_fsdp_shows_settings_and_wrap_layer(tmp_path):
                      check=False)
     assert bad.returncode == 2 and "strategy.wrap_layer=Block: no such layer in GPT2LMHeadModel; choose one of GPT2Block" \
         in bad.stderr
+
+
+def test_a_dry_run_on_a_cpu_plans_against_the_machines_memory_shared_by_its_processes(tmp_path):
+    """No GPU, and the run trains here: each process's estimate, times the processes, against this machine's RAM;
+    where that does not fit, the largest micro-batch that does (same effective batch)."""
+    ram = machine.ram_bytes() / GB
+    small, big = ["cluster.num_processes=2"], ["cluster.num_processes=2", "data.block_size=100000"]
+
+    def per_process(*overrides) -> float:
+        cfg = compose_run(*overrides)
+        return estimate.device_memory(model_facts(cfg)[0], cfg, model_facts(cfg)[1]).total / GB
+
+    out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *small).stdout
+    assert "memory       per process: weights" in out
+    assert f"fits         yes: {per_process(*small):.2f} GB x 2 processes of {ram:.2f} GB RAM (no GPU: the run " \
+           "trains on this machine's CPU)" in out
+
+    out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *big).stdout
+    batch = 16
+    while 2 * per_process(*big, f"trainer.batch_size={batch}") > ram:
+        batch //= 2
+    assert 2 * per_process(*big) > ram and batch >= 1  # (208 GB asked; a micro-batch of 1 needs 13.4 GB)
+    fit = per_process(*big, f"trainer.batch_size={batch}")
+    assert f"fits         NO: {per_process(*big):.2f} GB x 2 processes > {ram:.2f} GB RAM; trainer.batch_size={batch} " \
+           f"trainer.grad_accum={16 // batch} would ({fit:.2f} GB x 2 processes)" in out
+
+
+def test_the_machines_memory_is_its_control_groups_limit_where_that_is_lower(tmp_path):
+    """A process in a memory cgroup limited to 3 GiB (a container's, a SLURM job's) plans against 3 GiB."""
+    own = next((line.split(":", 2) for line in Path("/proc/self/cgroup").read_text().splitlines()
+                if line.split(":", 2)[1] in ("", "memory")), None)
+    folder = None
+    if own is not None:
+        v1 = own[1] == "memory"
+        root = Path("/sys/fs/cgroup/memory" if v1 else "/sys/fs/cgroup")
+        folder = root / own[2].lstrip("/") / f"xtrain-test-{tmp_path.name}"
+        try:
+            folder.mkdir()
+            (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(3 * 2**30))
+        except OSError:
+            if folder.is_dir():
+                folder.rmdir()
+            folder = None
+    if folder is None:
+        pytest.skip("no memory cgroup this process may create (needs root and a writable cgroup hierarchy)")
+    try:
+        out = subprocess.run(  # the shell joins the group, then becomes Python
+            ["sh", "-c", f'echo $$ > {folder / "cgroup.procs"} && exec "$0" -c "$1"', sys.executable,
+             "from xtrain.core import machine; print(machine.ram_bytes())"],
+            capture_output=True, text=True, check=True).stdout
+    finally:
+        folder.rmdir()
+    assert int(out) == 3 * 2**30 < machine.ram_bytes()
 
 
 def test_dry_run_reports_a_deepspeed_json_conflict(tmp_path):

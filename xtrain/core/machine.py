@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 
@@ -80,6 +81,34 @@ def gpus() -> tuple[Gpu, ...]:
 def local_gpu_gb() -> float | None:
     found = gpus()
     return found[0].memory_bytes / 1e9 if found else None
+
+
+# where a cgroup keeps its memory limit: v2 (`0::/path` in /proc/self/cgroup) and v1 (`N:memory:/path`)
+_CGROUP_LIMITS = {"": ("/sys/fs/cgroup", "memory.max"), "memory": ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")}
+
+
+def ram_bytes() -> int:
+    """This machine's memory, or the limit of this process's control group where that is lower (a container's,
+    a SLURM job's): the least on the way up its cgroup memory hierarchy."""
+    limits = [psutil.virtual_memory().total]
+    try:
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        groups = []
+    for line in groups:
+        _, controllers, path = line.split(":", 2)
+        if controllers not in _CGROUP_LIMITS:
+            continue
+        root, name = _CGROUP_LIMITS[controllers]
+        here = Path(root + path)
+        for folder in (here, *(p for p in here.parents if p.is_relative_to(root))):
+            try:
+                text = (folder / name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit():
+                limits.append(int(text))
+    return min(limits)
 
 
 def name_deepspeed_accelerator() -> None:

@@ -176,13 +176,15 @@ def _changed(cfg: RunConfig, candidate: RunConfig) -> list[str]:
     return out
 
 
-def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float) -> tuple[str, Memory] | None:
+def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float,
+                 own_strategy_only: bool = False) -> tuple[str, Memory] | None:
     """The smallest change under which the plan fits `device_bytes`: the fewest settings changed (another strategy
     or offload, activation checkpointing, more tensor parallelism, a smaller micro-batch with more accumulation:
-    the same effective batch) and of those the one that keeps the most memory in use; as overrides and its memory.
-    The run's own strategy where it fits already; None where nothing does."""
+    the same effective batch; `own_strategy_only`: the micro-batch alone) and of those the one that keeps the most
+    memory in use; as overrides and its memory. The run's own strategy where it fits already; None where nothing
+    does."""
     found = []
-    for strategy in _strategies(cfg):
+    for strategy in [cfg.strategy] if own_strategy_only else _strategies(cfg):
         fsdp = strategy.name is Strategy.fsdp
         for checkpointing in ([strategy.activation_checkpointing, True] if fsdp else [False]):
             for tp in _tp_options(cfg, strategy, facts):

@@ -23,15 +23,23 @@ class Plan:
     fit: tuple[str, Memory] | None
     refusal: str | None
     plugin_settings: dict
+    on_cpu: bool = False  # device_memory_gb is this machine's RAM, which the run's processes share
+
+    @property
+    def sharing(self) -> int:
+        """The processes that share `device_memory_gb`."""
+        return self.cfg.cluster.processes_per_node if self.on_cpu else 1
 
     @property
     def fits(self) -> bool | None:
         if self.device_memory_gb is None:
             return None
-        return self.memory.total <= self.device_memory_gb * GB
+        return self.memory.total * self.sharing <= self.device_memory_gb * GB
 
 
-def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Plan:
+def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb: float | None = None) -> Plan:
+    """`local_gpu_gb`: this machine's GPU memory (or `cluster.gpu_memory_gb`); `ram_gb`: its RAM, where the run trains
+    on its CPU (its processes share it, and only the run's own strategy runs there)."""
     n_params, facts = model_facts(cfg)
     if plugins.is_zero(cfg.strategy):
         settings = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
@@ -40,11 +48,13 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None) -> Pla
     else:
         settings = {}
     memory = device_memory(n_params, cfg, facts)
-    device_gb = cfg.cluster.gpu_memory_gb or local_gpu_gb
+    on_cpu = ram_gb is not None and not cfg.cluster.gpu_memory_gb
+    device_gb = ram_gb if on_cpu else cfg.cluster.gpu_memory_gb or local_gpu_gb
+    sharing = cfg.cluster.processes_per_node if on_cpu else 1
     fit = None
-    if device_gb is not None and memory.total > device_gb * GB:
-        fit = smallest_fit(n_params, cfg, facts, device_gb * GB)
-    return Plan(cfg, n_params, facts, memory, device_gb, fit, refusal, settings)
+    if device_gb is not None and memory.total * sharing > device_gb * GB:
+        fit = smallest_fit(n_params, cfg, facts, device_gb * GB / sharing, own_strategy_only=on_cpu)
+    return Plan(cfg, n_params, facts, memory, device_gb, fit, refusal, settings, on_cpu)
 
 
 def check_fits(cfg: RunConfig) -> None:
@@ -84,7 +94,7 @@ def render(plan: Plan) -> str:
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
         f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}{fp8_words(cfg, plan.facts)}, "
         f"optimizer {optimizer(cfg)}",
-        f"  memory       per device: weights {size(m.params)} + gradients {size(m.grads)} + optimizer "
+        f"  memory       per {'process' if plan.on_cpu else 'device'}: weights {size(m.params)} + gradients {size(m.grads)} + optimizer "
         f"{size(m.optimizer)} = {size(m.states)} model states",
         "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
         "fp32 4+4+8; FSDP and DDP keep fp32 weights and gradients: 4+4+8)",
@@ -99,20 +109,31 @@ def render(plan: Plan) -> str:
     if plan.facts.quantized:
         lines.append(f"               ({plan.facts.quantized:,} base weights in 4 bits: 0.5 bytes each, "
                      "no gradients or optimizer state)")
-    if plan.device_memory_gb is None:
-        lines.append("  fits         unknown: set cluster.gpu_memory_gb to check")
-    elif plan.fits:
-        lines.append(f"  fits         yes: {size(m.total)} of {plan.device_memory_gb:g} GB")
-    else:
-        lines.append(f"  fits         NO: {size(m.total)} > {plan.device_memory_gb:g} GB; "
-                     + (f"{plan.fit[0]} would ({size(plan.fit[1].total)})" if plan.fit else
-                        "nothing fits: use more devices (cluster.nodes / cluster.num_processes)"))
+    lines.append(f"  fits         {fits_words(plan)}")
     lines.append(f"  runs here    {'no: ' + plan.refusal if plan.refusal else 'yes'}")
     if plan.plugin_settings:
         title = "deepspeed.json" if plugins.is_zero(cfg.strategy) else "fsdp plugin"
         body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
         lines.append(f"  {title}:\n  {body}")
     return "\n".join(lines)
+
+
+def fits_words(plan: Plan) -> str:
+    """`yes: 1.20 GB of 80 GB`; on a machine's CPU `yes: 0.31 GB x 2 processes of 25.28 GB RAM (...)`; `NO: ...` with
+    the smallest change that fits."""
+    if plan.device_memory_gb is None:
+        return "unknown: set cluster.gpu_memory_gb to check"
+    each = f" x {plan.sharing} processes" if plan.sharing > 1 else ""
+    need = size(plan.memory.total) + each
+    has = f"{plan.device_memory_gb:.2f} GB RAM" if plan.on_cpu else f"{plan.device_memory_gb:g} GB"
+    if plan.fits:
+        return f"yes: {need} of {has}" + (" (no GPU: the run trains on this machine's CPU)" if plan.on_cpu else "")
+    if plan.fit:
+        return f"NO: {need} > {has}; {plan.fit[0]} would ({size(plan.fit[1].total)}{each})"
+    if plan.on_cpu:
+        fewer = ", or fewer processes (cluster.num_processes)" if plan.sharing > 1 else ""
+        return f"NO: {need} > {has}; no micro-batch fits: a smaller model or data.block_size{fewer}"
+    return f"NO: {need} > {has}; nothing fits: use more devices (cluster.nodes / cluster.num_processes)"
 
 
 def mesh_lines(cfg: RunConfig, layout: mesh.Mesh) -> list[str]:
