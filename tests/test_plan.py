@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import compose_run, xtrain_in_process
+from conftest import assert_one_line_error, compose_run, xtrain_in_process
 from xtrain.core import machine
 from xtrain.tasks.facts import model_facts
 from xtrain.distributed import estimate, plugins
@@ -120,29 +120,51 @@ def test_dry_run_of_fsdp_shows_settings_and_wrap_layer(tmp_path):
         in bad.stderr
 
 
+# 2 processes of 104 GB each (micro-batches of 16 blocks of 100000 tokens); one block needs 6.7 GB
+BIG = ["cluster.num_processes=2", "data.block_size=100000"]
+
+
+def per_process(*overrides) -> float:
+    cfg = compose_run(*overrides)
+    n_params, facts = model_facts(cfg)
+    return estimate.device_memory(n_params, cfg, facts).total / GB
+
+
+def short_of_memory(ram: float) -> str:
+    """What the plan says of BIG on a machine of `ram` GB: the largest micro-batch whose 2 processes fit."""
+    batch = 16
+    while 2 * per_process(*BIG, f"trainer.batch_size={batch}") > ram:
+        batch //= 2
+    assert 2 * per_process(*BIG) > ram and batch >= 1
+    return (f"{per_process(*BIG):.2f} GB x 2 processes > {ram:.2f} GB RAM; trainer.batch_size={batch} "
+            f"trainer.grad_accum={16 // batch} would ({per_process(*BIG, f'trainer.batch_size={batch}'):.2f} GB x 2 "
+            "processes)")
+
+
 def test_a_dry_run_on_a_cpu_plans_against_the_machines_memory_shared_by_its_processes(tmp_path):
     """No GPU, and the run trains here: each process's estimate, times the processes, against this machine's RAM;
     where that does not fit, the largest micro-batch that does (same effective batch)."""
     ram = machine.ram_bytes() / GB
-    small, big = ["cluster.num_processes=2"], ["cluster.num_processes=2", "data.block_size=100000"]
-
-    def per_process(*overrides) -> float:
-        cfg = compose_run(*overrides)
-        return estimate.device_memory(model_facts(cfg)[0], cfg, model_facts(cfg)[1]).total / GB
-
+    small = ["cluster.num_processes=2"]
     out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *small).stdout
     assert "memory       per process: weights" in out
     assert f"fits         yes: {per_process(*small):.2f} GB x 2 processes of {ram:.2f} GB RAM (no GPU: the run " \
            "trains on this machine's CPU)" in out
 
-    out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *big).stdout
-    batch = 16
-    while 2 * per_process(*big, f"trainer.batch_size={batch}") > ram:
-        batch //= 2
-    assert 2 * per_process(*big) > ram and batch >= 1  # (208 GB asked; a micro-batch of 1 needs 13.4 GB)
-    fit = per_process(*big, f"trainer.batch_size={batch}")
-    assert f"fits         NO: {per_process(*big):.2f} GB x 2 processes > {ram:.2f} GB RAM; trainer.batch_size={batch} " \
-           f"trainer.grad_accum={16 // batch} would ({fit:.2f} GB x 2 processes)" in out
+    out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *BIG).stdout
+    assert f"fits         NO: {short_of_memory(ram)}" in out
+
+
+def test_a_run_whose_estimate_exceeds_the_machines_memory_is_told_so_before_anything_starts(tmp_path):
+    """A warning, not a refusal (the run goes on as asked): here it then stops at its data (a corpus of fewer
+    blocks than a split needs), in one line, as any run would."""
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", *BIG, check=False)
+    assert_one_line_error(proc, "data.block_size=100000: the corpus yields 1 block(s)")
+    warned = [line for line in proc.stdout.splitlines() if "[WARNING] memory:" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        f"memory: the plan's estimate does not fit this machine: {short_of_memory(machine.ram_bytes() / GB)}")
+    assert proc.stdout.index("[WARNING] memory:") < proc.stdout.index("data:")
+    assert "memory:" not in xtrain_in_process(f"run_dir={tmp_path / 'fits'}", "trainer.max_steps=1").stdout
 
 
 def test_the_machines_memory_is_its_control_groups_limit_where_that_is_lower(tmp_path):

@@ -24,7 +24,6 @@ from xtrain.config.point import Point
 from xtrain.config.schema import RunConfig, Strategy
 from xtrain.core import machine, rundir, stopping
 from xtrain.core.errors import ConfigError, Stopped, one_line
-from xtrain.distributed.estimate import GB
 from xtrain.launch import hardware, plan, preflight, supervisor
 
 log = logging.getLogger("xtrain")
@@ -45,9 +44,7 @@ def describe(cfg: RunConfig, script: bool = True) -> str:
     preflight.check_free(cfg)
     preflight.preflight(cfg, planning=True)
     refusal = hardware.refusal(cfg) or preflight.launch_refusal(cfg)
-    gpu_gb = machine.local_gpu_gb()
-    on_cpu = gpu_gb is None and refusal is None  # it would train here, on this machine's CPU and RAM
-    return plan.render(plan.make(cfg, refusal, gpu_gb, machine.ram_bytes() / GB if on_cpu else None))
+    return plan.render(plan.for_this_machine(cfg, refusal))
 
 
 def scripts(points: list[Point], sweep_dir: Path, **options) -> list[str]:

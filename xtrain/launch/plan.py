@@ -4,14 +4,19 @@ plugin settings, and the per-device estimate of model-state memory (estimate.py)
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, Strategy, TargetModel, TaskKind
 from xtrain.config.task import block_tokens, given
+from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.distributed import mesh, plugins
 from xtrain.distributed.estimate import GB, Memory, device_memory, smallest_fit
 from xtrain.tasks.facts import model_facts
+
+log = logging.getLogger("xtrain")
+
 
 @dataclass
 class Plan:
@@ -65,6 +70,26 @@ def check_fits(cfg: RunConfig) -> None:
     plan = make(cfg, None, None)
     if not plan.fits:
         raise ConfigError(f"cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}: {not_fitting(plan)}")
+
+
+def for_this_machine(cfg: RunConfig, refusal: str | None = None) -> Plan:
+    """The plan against this machine's memory: its GPU's, or without one (where the run trains here, on its CPU)
+    its RAM."""
+    gpu_gb = machine.local_gpu_gb()
+    on_cpu = gpu_gb is None and refusal is None
+    return make(cfg, refusal, gpu_gb, machine.ram_bytes() / GB if on_cpu else None)
+
+
+def warn_if_short_of_memory(cfg: RunConfig) -> None:
+    """A run on this machine whose estimate exceeds its memory is told so in one line before anything starts, and
+    goes on as asked (the estimate leaves out what backward holds at once). One planned against
+    `cluster.gpu_memory_gb` is `check_fits`'s."""
+    if cfg.cluster.gpu_memory_gb is not None:
+        return
+    found = for_this_machine(cfg)
+    if found.fits is False:
+        log.warning("memory: the plan's estimate does not fit this machine: %s",
+                    fits_words(found).removeprefix("NO: "))
 
 
 def not_fitting(plan: Plan) -> str:

@@ -70,6 +70,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         fp8.check(cfg.precision, facts.fp8_layers, facts.model_class)
     if not planning:  # (a dry run's plan shows what does not fit)
         plan.check_fits(cfg)
+        if not hardware.submitting_to_slurm(cfg.cluster):
+            plan.warn_if_short_of_memory(cfg)
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
