@@ -55,11 +55,10 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb
     memory = device_memory(n_params, cfg, facts)
     on_cpu = ram_gb is not None and not cfg.cluster.gpu_memory_gb
     device_gb = ram_gb if on_cpu else cfg.cluster.gpu_memory_gb or local_gpu_gb
-    sharing = cfg.cluster.processes_per_node if on_cpu else 1
-    fit = None
-    if device_gb is not None and memory.total * sharing > device_gb * GB:
-        fit = smallest_fit(n_params, cfg, facts, device_gb * GB / sharing, own_strategy_only=on_cpu)
-    return Plan(cfg, n_params, facts, memory, device_gb, fit, refusal, settings, on_cpu)
+    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu)
+    if plan.fits is False:
+        plan.fit = smallest_fit(n_params, cfg, facts, device_gb * GB / plan.sharing, own_strategy_only=on_cpu)
+    return plan
 
 
 def check_fits(cfg: RunConfig) -> None:
@@ -119,8 +118,8 @@ def render(plan: Plan) -> str:
            f"({plan.facts.trainable / plan.n_params:.2%})" if plan.facts.trainable is not None else ""),
         f"  strategy     {cfg.strategy.name.value}, precision {cfg.precision.name.value}{fp8_words(cfg, plan.facts)}, "
         f"optimizer {optimizer(cfg)}",
-        f"  memory       per {'process' if plan.on_cpu else 'device'}: weights {size(m.params)} + gradients {size(m.grads)} + optimizer "
-        f"{size(m.optimizer)} = {size(m.states)} model states",
+        f"  memory       per {'process' if plan.on_cpu else 'device'}: weights {size(m.params)} + gradients "
+        f"{size(m.grads)} + optimizer {size(m.optimizer)} = {size(m.states)} model states",
         "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
         "fp32 4+4+8; FSDP and DDP keep fp32 weights and gradients: 4+4+8)",
     ]
