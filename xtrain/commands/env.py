@@ -30,7 +30,8 @@ def devices() -> list[tuple[str, str]]:
     import torch
 
     rows = [("cpu", f"{os.cpu_count()} cores, {platform.machine()}, "
-                    f"vector units {torch.backends.cpu.get_cpu_capability()}")]
+                    f"vector units {torch.backends.cpu.get_cpu_capability()}"),
+            ("memory", f"{machine.ram_bytes() / 1e9:.2f} GB RAM (what a run on the CPU plans against)")]
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         rows.append(("cuda", f"no GPU visible (torch {torch.__version__}, {build})"))
