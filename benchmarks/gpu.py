@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU: the path, not figures")
     parser.add_argument("--out", type=Path, help="also write the table here (markdown)")
-    parser.add_argument("--only", help="comma-separated run names to run (default: all)")
+    parser.add_argument("--only", help="comma-separated run names to run, in that order (default: all)")
     parser.add_argument("--wide", action="store_true", help="a model of width 4096 (8 blocks, batch 8) instead")
     parser.add_argument("--hf-part", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--xtrain-part", type=Path, help=argparse.SUPPRESS)
@@ -316,7 +316,10 @@ def main() -> None:
     if args.xtrain_part:
         xtrain_profiled(args.xtrain_part, args.steps, args.settings)
         return
-    chosen = set(args.only.split(",")) if args.only else None
+    chosen = args.only.split(",") if args.only else None
+    unknown = [name for name in chosen or [] if name not in XTRAIN_RUNS and name not in HF_RUNS]
+    if unknown:
+        parser.error(f"--only: no run named {', '.join(map(repr, unknown))}; the runs: {', '.join([*XTRAIN_RUNS, *HF_RUNS])}")
     peak = sheet = None
     if not args.smoke:
         import torch
@@ -325,14 +328,14 @@ def main() -> None:
         name = torch.cuda.get_device_name()
         print(f"{name}: bf16 matmul {peak / 1e12:.0f} TFLOP/s; model {shape}, block {block}, batch {batch}", flush=True)
         sheet = next((p[0] * 1e12 for key, p in _sheet().items() if key in name), None)
-    order = ["xtrain defaults", "HF Trainer defaults", "xtrain compile", "HF Trainer torch_compile",
-             "xtrain fp8 (torchao) + compile"]  # (the quick ones first: a time limit cuts the slowest)
-    order += [name for name in XTRAIN_RUNS if name not in order and chosen is not None and name in chosen]
+    # all: the quick ones first (a time limit cuts the slowest); --only: in the order given
+    order = chosen or ["xtrain defaults", "HF Trainer defaults", "xtrain compile", "HF Trainer torch_compile",
+                       "xtrain fp8 (torchao) + compile"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in order:
-            if chosen is not None and name not in chosen or args.smoke and ("fp8" in name or "torch_compile" in name):
+            if args.smoke and ("fp8" in name or "torch_compile" in name):
                 continue
             if name in XTRAIN_RUNS:
                 extra = XTRAIN_RUNS[name] + (["trainer.compile=false"] if args.smoke else [])
