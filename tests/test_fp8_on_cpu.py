@@ -104,13 +104,21 @@ for name, want in eager.state_dict().items():
     got = placed.state_dict()[name]
     assert torch.equal(getattr(got, "_tensor", got), want), name
 print(len(wrapped), "wrapped weights built on meta, filled bitwise")
+
+# FSDP2's full state dict on one rank keeps the wrappers (as this one does): the export saves what they wrap
+state = fp8.unwrapped(placed.state_dict())
+placed.save_pretrained(OUT, state_dict=state, safe_serialization=True)
+exported = LlamaForCausalLM.from_pretrained(OUT).state_dict()
+assert all(torch.equal(exported[name], want) for name, want in eager.state_dict().items())
+print("exported bitwise")
 """
 
 
-def test_weights_wrapped_for_the_fp8_all_gather_are_built_on_meta_as_the_eager_build():
+def test_weights_wrapped_for_the_fp8_all_gather_are_built_on_meta_as_the_eager_build_and_export(tmp_path):
     """FSDP2's tensorwise fp8 wraps each converted weight (its all-gather casts); a model built on meta is
-    converted before it is sharded, and its wrapped weights get the eager build's values, bitwise."""
-    proc = subprocess.run([sys.executable, "-c", META_BUILD], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, **SEAM})
+    converted before it is sharded, and its wrapped weights get the eager build's values, bitwise; a state dict
+    that holds the wrappers exports them (the model/ of a one-process FSDP2 fp8 run)."""
+    proc = subprocess.run([sys.executable, "-c", f"OUT = {str(tmp_path)!r}\n" + META_BUILD], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, **SEAM})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "6 wrapped weights built on meta, filled bitwise" in proc.stdout
+    assert "6 wrapped weights built on meta, filled bitwise\n" in proc.stdout and "exported bitwise\n" in proc.stdout

@@ -105,3 +105,17 @@ def trained(model: torch.nn.Module) -> Trained:
     return Trained(converted=tuple(name for name, m in linears if isinstance(m, Float8Linear)),
                    kept=tuple(name for name, m in linears if not isinstance(m, Float8Linear)),
                    scaling="rowwise" if axiswise else "tensorwise")
+
+
+def unwrapped(state_dict: dict) -> dict:
+    """`state_dict` with torchao's weights wrapped for FSDP2's fp8 all-gather as the plain tensors they wrap. A full
+    state dict keeps the wrapper where one rank holds every shard, and safetensors cannot save it."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain_tensor(tensor):
+        if not is_traceable_wrapper_subclass(tensor) or type(tensor).__name__ == "DTensor":
+            return tensor
+        inner, _ = tensor.__tensor_flatten__()
+        return getattr(tensor, inner[0]) if len(inner) == 1 else tensor
+
+    return {name: plain_tensor(tensor) for name, tensor in state_dict.items()}

@@ -28,7 +28,7 @@ from xtrain.config.schema import Export, Precision, RunConfig
 from xtrain.core import machine, memory, rundir, stopping
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
-from xtrain.distributed import mesh, plugins
+from xtrain.distributed import fp8, mesh, plugins
 from xtrain.engine import checkpoint, evaluation, pruning, reporting, reshard, resume, sampler, tracking
 from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
@@ -355,7 +355,7 @@ class Run:
         result["model_step"], result["model_eval"] = step, scores(result, step)
         if c.test_loader is not None:  # the test split, on the model model/ keeps (a collective)
             result["model_test"] = evaluation.run_test(accelerator, c, step, self.run_dir)
-        state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
+        state_dict = fp8.unwrapped(accelerator.get_state_dict(c.model))  # a collective where the model is sharded
         if not accelerator.is_main_process:
             return
         log.info("step %d | exporting model/", step)
