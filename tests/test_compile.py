@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDED, assert_one_line_error, model_weights, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
+from conftest import SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
 
 STEP_10 = Path("checkpoints") / "step_00000010"
 
@@ -71,6 +71,38 @@ def test_compile_without_a_kernel_compiler_is_refused_before_anything_starts(tmp
                              env={"CXX": "/no/such/g++"})
     assert_one_line_error(proc, "trainer.compile=true", "/no/such/g++", "trainer.compile=false")
     assert not run_dir.exists()
+
+
+def test_compile_tuning_needs_compile_and_gpus_and_lasts_as_long_as_its_run(tmp_path):
+    """Inductor's kernel tuning tunes GPU (Triton) kernels: asked without trainer.compile, or on a machine without a
+    GPU, it is refused before anything starts. A run's tuning is a patch of inductor's settings around that run."""
+    run_dir = tmp_path / "run"
+    proc = xtrain_in_process(f"run_dir={run_dir}", "trainer.compile_tuning=true", check=False)
+    assert_one_line_error(proc, "trainer.compile_tuning=true", "trainer.compile=true")
+    if not torch.cuda.is_available():
+        proc = xtrain_in_process(f"run_dir={run_dir}", "trainer.compile=true", "trainer.compile_tuning=true",
+                                 check=False)
+        assert_one_line_error(proc, "trainer.compile_tuning=true", "no", "trainer.compile_tuning=false")
+    assert not run_dir.exists()
+
+    import torch._inductor.config as inductor
+
+    from xtrain.config.trainer import TrainerConfig
+    from xtrain.distributed import compiling
+
+    before = {name: getattr(inductor, name) for name in compiling.TUNING}
+    with compiling.tuning(TrainerConfig(compile=True, compile_tuning=True)):
+        assert {name: getattr(inductor, name) for name in compiling.TUNING} == compiling.TUNING
+    with compiling.tuning(TrainerConfig(compile=True)):
+        assert {name: getattr(inductor, name) for name in compiling.TUNING} == before
+    assert {name: getattr(inductor, name) for name in compiling.TUNING} == before
+
+    from xtrain.config import schema
+    from xtrain.engine import resume
+
+    now = schema.to_container(compose_run("trainer.compile=true"))  # a checkpoint from before the setting: resumes
+    assert resume.changes({**now, "trainer": {k: v for k, v in now["trainer"].items() if k != "compile_tuning"}},
+                          now) == []
 
 
 def test_the_blocks_share_their_compiled_code_at_any_depth(tmp_path):

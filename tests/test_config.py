@@ -41,7 +41,7 @@ cluster.max_requeues
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
-trainer.compile trainer.monitor trainer.monitor_direction trainer.export trainer.early_stop_patience
+trainer.compile trainer.compile_tuning trainer.monitor trainer.monitor_direction trainer.export trainer.early_stop_patience
 trainer.early_stop_min_delta trainer.optimizer trainer.scheduler trainer.callbacks
 tracker.kind tracker.project tracker.wandb_mode
 run_dir resume resume_changes dry_run

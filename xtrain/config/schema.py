@@ -81,6 +81,9 @@ class RunConfig:
                 "strategy.cpu_ram_efficient_loading=true: Accelerate does not load weights on rank 0 only with fp8 "
                 "from torchao under FSDP; set strategy.cpu_ram_efficient_loading=false (each rank reads the weights)"
             )
+        if self.trainer.compile_tuning and not self.trainer.compile:
+            raise ConfigError("trainer.compile_tuning=true: it tunes the kernels torch.compile generates; add "
+                              "trainer.compile=true, or drop trainer.compile_tuning")
         if self.trainer.compile and self.strategy.name is Strategy.fsdp and self.strategy.fsdp_version == 1:
             raise ConfigError(
                 "trainer.compile=true: with strategy.fsdp_version=1 Accelerate compiles around FSDP1's wrappers "

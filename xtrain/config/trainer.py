@@ -51,6 +51,10 @@ class TrainerConfig:
     compile: bool = False
     """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
     start; losses equal eager's up to rounding. DDP, FSDP2 and ZeRO; not FSDP1."""
+    compile_tuning: bool = False
+    """With `trainer.compile`: inductor times launch configurations of each GPU (Triton) kernel it generates and keeps
+    the fastest (coordinate-descent and pointwise tuning; matmuls stay cuBLAS's). Longer compiles, for fp8's scaling
+    kernels faster steps (see the speed guide). GPUs only: a CPU's compiled kernels are C++."""
     monitor: str = "val_loss"
     """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
     `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid

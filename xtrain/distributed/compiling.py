@@ -13,6 +13,9 @@ import torch
 
 from xtrain.config.schema import RunConfig, Strategy
 
+# trainer.compile_tuning: inductor times its generated kernels' launch configurations as it compiles them
+TUNING = {"coordinate_descent_tuning": True, "max_autotune_pointwise": True}
+
 
 def dynamo_plugin(cfg: RunConfig):
     """The Accelerator's TorchDynamoPlugin where Accelerate compiles (FSDP2, ZeRO), else None."""
@@ -31,6 +34,14 @@ def compile_blocks(model: torch.nn.Module) -> None:
     torch._dynamo.config.capture_scalar_outputs = True
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     compile_regions_fsdp2(model, backend="inductor")
+
+
+def tuning(trainer):
+    """A context for the run: its kernels compiled with `trainer.compile_tuning`'s inductor settings (a patch, so
+    that runs one after another in one process, a sweep's points, each compile as asked)."""
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(TUNING if trainer.compile_tuning else {})
 
 
 def compiled_regions(model: torch.nn.Module) -> int:

@@ -28,7 +28,7 @@ from xtrain.config.schema import Export, Precision, RunConfig
 from xtrain.core import machine, memory, rundir, stopping
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
-from xtrain.distributed import fp8, mesh, plugins
+from xtrain.distributed import compiling, fp8, mesh, plugins
 from xtrain.engine import checkpoint, evaluation, pruning, reporting, reshard, resume, sampler, tracking
 from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
@@ -74,7 +74,9 @@ def resume_setting(resume: str, run_dir: Path) -> str:
 def train(run_dir: str | Path, cfg: RunConfig | None = None) -> dict:
     """Trains the run dir as this rank; `cfg` is its run.yaml where the caller has read it already."""
     with library_notes_quieted():
-        return Run(Path(run_dir), cfg).train()
+        run = Run(Path(run_dir), cfg)
+        with compiling.tuning(run.cfg.trainer):  # (compilation happens at the first forward)
+            return run.train()
 
 
 class Run:

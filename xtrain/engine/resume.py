@@ -42,7 +42,7 @@ APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.warmup_steps", "traine
 
 
 # Settings a checkpoint written before they existed does not record, with the value it trained as
-ADDED = {"strategy.dp_replicate": 1, "strategy.tp": 1, "strategy.cp": 1}
+ADDED = {"strategy.dp_replicate": 1, "strategy.tp": 1, "strategy.cp": 1, "trainer.compile_tuning": False}
 
 SCHEDULE = ("trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio")  # the default schedule's shape
 

@@ -113,6 +113,9 @@ def refusal(cfg: RunConfig) -> str | None:
                 f"precision.fp8_backend={cfg.precision.fp8_backend.value}: {module} is not installed ({install}); "
                 "install it or choose another precision.fp8_backend (te, torchao, msamp)"
             )
+    if cfg.trainer.compile_tuning and not cuda:
+        return ("trainer.compile_tuning=true: inductor tunes the Triton kernels it generates for GPUs, and this "
+                "machine has none (its compiled CPU kernels are C++, untuned); use trainer.compile_tuning=false")
     variable, names = ("CC", ["gcc", "clang", "cc"]) if cuda else ("CXX", ["g++"])
     if cfg.trainer.compile and not any(shutil.which(n) for n in ([os.environ[variable]] if os.environ.get(variable) else names)):
         # inductor builds its kernels: on GPUs Triton's launchers in C, on CPUs C++ source
