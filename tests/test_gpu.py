@@ -22,8 +22,9 @@ STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 WIDER = ["model=tiny_llama", "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
          "model.intermediate_size=1376"]  # (bf16 runs: large enough for the memory band below)
 COMPILED = ("trainer.compile=true",)
+TUNED = (*COMPILED, "trainer.compile_tuning=true")
 RUNS = [  # (strategy, precision, *more): the slowest first
-    ("ddp", "fp8", *COMPILED), *((s, "fp32") for s in STRATEGIES), *((s, "bf16") for s in STRATEGIES),
+    ("ddp", "fp8", *TUNED), ("ddp", "fp8", *COMPILED), *((s, "fp32") for s in STRATEGIES), *((s, "bf16") for s in STRATEGIES),
     ("ddp", "fp16"), ("zero2", "fp16"), ("ddp", "fp8"), ("fsdp", "fp8"),
 ]
 AT_ONCE = 4  # runs sharing the GPU: each is a process of its own, a few hundred MB of the GPU's memory
@@ -102,6 +103,17 @@ def test_fp8_compiled_follows_fp8_eager(trained):
     assert compiled["status"] == "completed" and compiled["compiled_regions"] >= 8
     assert train_losses(trained("ddp", "fp8", *COMPILED)) == pytest.approx(
         train_losses(trained("ddp", "fp8")), rel=0.01)
+
+
+def test_fp8_compiled_with_kernel_tuning_follows_untuned(trained):
+    """trainer.compile_tuning (inductor times its kernels' launch configurations as it compiles): the untuned
+    compiled curve within 1 % at every logged step, and run.yaml says what compiled."""
+    import yaml
+
+    run_dir = trained("ddp", "fp8", *TUNED)
+    assert read_result(run_dir)["status"] == "completed"
+    assert yaml.safe_load((run_dir / "run.yaml").read_text())["trainer"]["compile_tuning"] is True
+    assert train_losses(run_dir) == pytest.approx(train_losses(trained("ddp", "fp8", *COMPILED)), rel=0.01)
 
 
 def test_mfu_is_reported_against_the_gpus_dense_peak_and_adamw_is_fused_by_default(trained):
