@@ -357,14 +357,14 @@ class Run:
         result["model_step"], result["model_eval"] = step, scores(result, step)
         if c.test_loader is not None:  # the test split, on the model model/ keeps (a collective)
             result["model_test"] = evaluation.run_test(accelerator, c, step, self.run_dir)
-        state_dict = fp8.unwrapped(accelerator.get_state_dict(c.model))  # a collective where the model is sharded
+        state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
         if not accelerator.is_main_process:
-            return
+            return  # (ZeRO-3 consolidates on the main process only: here it is None)
         log.info("step %d | exporting model/", step)
         tmp = self.run_dir / f".tmp-{rundir.MODEL}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        c.task.export(accelerator.unwrap_model(c.model), state_dict, tmp)
+        c.task.export(accelerator.unwrap_model(c.model), fp8.unwrapped(state_dict), tmp)
         for made in sorted(tmp.iterdir()):
             replace_dir(made, self.run_dir / made.name)
         tmp.rmdir()
