@@ -83,6 +83,16 @@ def local_gpu_gb() -> float | None:
     return found[0].memory_bytes / 1e9 if found else None
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
+    """This machine's CPU flags (`amx_bf16`, `avx512_bf16`, ...), or None where Linux's /proc/cpuinfo is not."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return frozenset(word for line in text.splitlines() if line.startswith("flags") for word in line.split(":", 1)[1].split())
+
+
 # where a cgroup keeps its memory limit: v2 (`0::/path` in /proc/self/cgroup) and v1 (`N:memory:/path`)
 _CGROUP_LIMITS = {"": ("/sys/fs/cgroup", "memory.max"), "memory": ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")}
 

@@ -72,6 +72,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         plan.check_fits(cfg)
         if not hardware.submitting_to_slurm(cfg.cluster):
             plan.warn_if_short_of_memory(cfg)
+        if hardware.slow_precision(cfg):
+            log.warning("speed: %s", hardware.slow_precision(cfg))
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
