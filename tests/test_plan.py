@@ -130,13 +130,14 @@ def per_process(*overrides) -> float:
     return estimate.device_memory(n_params, cfg, facts).total / GB
 
 
-def short_of_memory(ram: float) -> str:
-    """What the plan says of BIG on a machine of `ram` GB: the largest micro-batch whose 2 processes fit."""
+def short_of_memory(ram: float, has: str | None = None) -> str:
+    """What the plan says of BIG on a machine of `ram` GB (`has`: how the plan names them, where not RAM): the largest
+    micro-batch whose 2 processes fit."""
     batch = 16
     while 2 * per_process(*BIG, f"trainer.batch_size={batch}") > ram:
         batch //= 2
     assert 2 * per_process(*BIG) > ram and batch >= 1
-    return (f"{per_process(*BIG):.2f} GB x 2 processes > {ram:.2f} GB RAM; trainer.batch_size={batch} "
+    return (f"{per_process(*BIG):.2f} GB x 2 processes > {has or f'{ram:.2f} GB RAM'}; trainer.batch_size={batch} "
             f"trainer.grad_accum={16 // batch} would ({per_process(*BIG, f'trainer.batch_size={batch}'):.2f} GB x 2 "
             "processes)")
 
@@ -255,6 +256,45 @@ def test_a_dry_run_of_a_slurm_job_works_where_slurm_is_not_and_says_what_it_assu
     assert not sweep_dir.exists()
     real = xtrain_in_process(f"run_dir={run_dir}", "cluster=slurm", check=False, env=no_slurm_path)
     assert real.returncode == 2 and "sbatch is not on PATH" in real.stderr and not run_dir.exists()
+
+
+def test_a_slurm_job_on_cpus_plans_against_its_nodes_memory_shared_by_their_processes(tmp_path, no_slurm_path):
+    """No GPU asked (the job trains on its nodes' CPUs): each node's processes' estimates against `cluster.mem_gb`
+    (without it, the plan says to set it); where they do not fit, the largest micro-batch that does. A submission
+    that does not fit is told so before it is queued, and goes on as asked."""
+    import logging
+    from dataclasses import replace
+
+    from xtrain.config.cluster import ClusterKind
+    from xtrain.launch import plan
+
+    job = ["cluster=slurm", "cluster.gpus_per_node=0", "dry_run=true"]
+    out = xtrain_in_process(f"run_dir={tmp_path / 'a'}", *job, "cluster.num_processes=2", "cluster.mem_gb=4",
+                            env=no_slurm_path).stdout
+    assert "memory       per process: weights" in out
+    assert f"fits         yes: {per_process('cluster.num_processes=2'):.2f} GB x 2 processes of cluster.mem_gb=4 GB " \
+           "(no GPU: the job trains on its nodes' CPUs)" in out
+    out = xtrain_in_process(f"run_dir={tmp_path / 'b'}", *job, *BIG, "cluster.mem_gb=60", env=no_slurm_path).stdout
+    assert f"fits         NO: {short_of_memory(60, 'cluster.mem_gb=60 GB')}" in out
+    out = xtrain_in_process(f"run_dir={tmp_path / 'c'}", *job, env=no_slurm_path).stdout
+    assert "fits         unknown: set cluster.mem_gb (a node's memory) to check" in out
+    out = xtrain_in_process(f"run_dir={tmp_path / 'd'}", *job, "cluster.gpus_per_node=4", env=no_slurm_path).stdout
+    assert "memory       per device: weights" in out and "fits         unknown: set cluster.gpu_memory_gb to check" in out
+
+    here = compose_run(*BIG)
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("xtrain").addHandler(handler)
+    try:
+        for mem_gb in (60, 1000, None):
+            submitted = replace(here, cluster=replace(here.cluster, kind=ClusterKind.slurm, gpus_per_node="0",
+                                                      mem_gb=mem_gb))
+            plan.warn_if_short_of_memory(submitted)
+    finally:
+        logging.getLogger("xtrain").removeHandler(handler)
+    assert warned == [f"memory: the plan's estimate does not fit the job's nodes: "
+                      f"{short_of_memory(60, 'cluster.mem_gb=60 GB')}"]
 
 
 def test_a_dry_run_applies_every_check_the_real_run_applies(short_run, tmp_path):

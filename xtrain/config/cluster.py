@@ -63,7 +63,7 @@ class ClusterConfig:
     """CPUs for each node's task (all of that node's workers): `all` (every CPU of a node of the partition, the
     fewest where nodes differ) or a number. Both sbatch and srun get it as --cpus-per-task."""
     mem_gb: Optional[float] = None
-    """Memory per node; default: the partition's."""
+    """Memory per node; default: the partition's. A job on CPUs (no GPU asked) is planned against it."""
     time_limit: str = "01:00:00"
     """SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
     partition: Optional[str] = None

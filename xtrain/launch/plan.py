@@ -13,6 +13,7 @@ from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.distributed import mesh, plugins
 from xtrain.distributed.estimate import GB, Memory, device_memory, smallest_fit
+from xtrain.launch import hardware
 from xtrain.tasks.facts import model_facts
 
 log = logging.getLogger("xtrain")
@@ -28,7 +29,8 @@ class Plan:
     fit: tuple[str, Memory] | None
     refusal: str | None
     plugin_settings: dict
-    on_cpu: bool = False  # device_memory_gb is this machine's RAM, which the run's processes share
+    on_cpu: bool = False  # device_memory_gb is RAM, which the processes of a machine share
+    job_nodes: bool = False  # ... a SLURM job's nodes' (cluster.mem_gb), not this machine's
 
     @property
     def sharing(self) -> int:
@@ -42,9 +44,11 @@ class Plan:
         return self.memory.total * self.sharing <= self.device_memory_gb * GB
 
 
-def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb: float | None = None) -> Plan:
+def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb: float | None = None,
+         job_nodes: bool = False) -> Plan:
     """`local_gpu_gb`: this machine's GPU memory (or `cluster.gpu_memory_gb`); `ram_gb`: its RAM, where the run trains
-    on its CPU (its processes share it, and only the run's own strategy runs there)."""
+    on its CPU (its processes share it, and only the run's own strategy runs there); `job_nodes`: the run is a SLURM
+    job on CPU nodes, and `ram_gb` is theirs (`cluster.mem_gb`, None where not given)."""
     n_params, facts = model_facts(cfg)
     if plugins.is_zero(cfg.strategy):
         settings = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
@@ -53,9 +57,9 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb
     else:
         settings = {}
     memory = device_memory(n_params, cfg, facts)
-    on_cpu = ram_gb is not None and not cfg.cluster.gpu_memory_gb
+    on_cpu = job_nodes or ram_gb is not None and not cfg.cluster.gpu_memory_gb
     device_gb = ram_gb if on_cpu else cfg.cluster.gpu_memory_gb or local_gpu_gb
-    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu)
+    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu, job_nodes)
     if plan.fits is False:
         plan.fit = smallest_fit(n_params, cfg, facts, device_gb * GB / plan.sharing, own_strategy_only=on_cpu)
     return plan
@@ -79,15 +83,25 @@ def for_this_machine(cfg: RunConfig, refusal: str | None = None) -> Plan:
     return make(cfg, refusal, gpu_gb, machine.ram_bytes() / GB if on_cpu else None)
 
 
+def for_job(cfg: RunConfig, refusal: str | None = None) -> Plan:
+    """The plan of a SLURM job (resolved): against `cluster.gpu_memory_gb`, or where the job asks for no GPU (it
+    trains on its nodes' CPUs) against `cluster.mem_gb`, which the processes of a node share."""
+    c = cfg.cluster
+    if c.gpus or c.gpu_memory_gb is not None:
+        return make(cfg, refusal, c.gpu_memory_gb)
+    return make(cfg, refusal, None, c.mem_gb, job_nodes=True)
+
+
 def warn_if_short_of_memory(cfg: RunConfig) -> None:
-    """A run on this machine whose estimate exceeds its memory is told so in one line before anything starts, and
-    goes on as asked (the estimate leaves out what backward holds at once). One planned against
-    `cluster.gpu_memory_gb` is `check_fits`'s."""
+    """A run whose estimate exceeds the memory it trains in (this machine's; a SLURM job's CPU nodes',
+    `cluster.mem_gb`) is told so in one line before anything starts or is queued, and goes on as asked (the estimate
+    leaves out what backward holds at once). One planned against `cluster.gpu_memory_gb` is `check_fits`'s."""
     if cfg.cluster.gpu_memory_gb is not None:
         return
-    found = for_this_machine(cfg)
+    job = hardware.submitting_to_slurm(cfg.cluster)
+    found = for_job(cfg) if job else for_this_machine(cfg)
     if found.fits is False:
-        log.warning("memory: the plan's estimate does not fit this machine: %s",
+        log.warning("memory: the plan's estimate does not fit %s: %s", "the job's nodes" if job else "this machine",
                     fits_words(found).removeprefix("NO: "))
 
 
@@ -146,16 +160,21 @@ def fits_words(plan: Plan) -> str:
     """`yes: 1.20 GB of 80 GB`; on a machine's CPU `yes: 0.31 GB x 2 processes of 25.28 GB RAM (...)`; `NO: ...` with
     the smallest change that fits."""
     if plan.device_memory_gb is None:
-        return "unknown: set cluster.gpu_memory_gb to check"
+        return ("unknown: set cluster.mem_gb (a node's memory) to check" if plan.job_nodes else
+                "unknown: set cluster.gpu_memory_gb to check")
     each = f" x {plan.sharing} processes" if plan.sharing > 1 else ""
     need = size(plan.memory.total) + each
     has = f"{plan.device_memory_gb:.2f} GB RAM" if plan.on_cpu else f"{plan.device_memory_gb:g} GB"
+    if plan.job_nodes:
+        has = f"cluster.mem_gb={plan.device_memory_gb:g} GB"
     if plan.fits:
-        return f"yes: {need} of {has}" + (" (no GPU: the run trains on this machine's CPU)" if plan.on_cpu else "")
+        where = "the job trains on its nodes' CPUs" if plan.job_nodes else "the run trains on this machine's CPU"
+        return f"yes: {need} of {has}" + (f" (no GPU: {where})" if plan.on_cpu else "")
     if plan.fit:
         return f"NO: {need} > {has}; {plan.fit[0]} would ({size(plan.fit[1].total)}{each})"
     if plan.on_cpu:
         fewer = ", or fewer processes (cluster.num_processes)" if plan.sharing > 1 else ""
+        fewer += ", or more memory (cluster.mem_gb)" if plan.job_nodes else ""
         return f"NO: {need} > {has}; no micro-batch fits: a smaller model or data.block_size{fewer}"
     return f"NO: {need} > {has}; nothing fits: use more devices (cluster.nodes / cluster.num_processes)"
 

@@ -70,8 +70,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         fp8.check(cfg.precision, facts.fp8_layers, facts.model_class)
     if not planning:  # (a dry run's plan shows what does not fit)
         plan.check_fits(cfg)
-        if not hardware.submitting_to_slurm(cfg.cluster):
-            plan.warn_if_short_of_memory(cfg)
+        plan.warn_if_short_of_memory(cfg)
         if hardware.slow_precision(cfg):
             log.warning("speed: %s", hardware.slow_precision(cfg))
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)

@@ -48,7 +48,7 @@ def describe(cfg: RunConfig, script: bool = True) -> str:
                      "cluster.gpus_per_node and cluster.cpus_per_task to plan the request you will make")
     preflight.check_free(cfg)
     preflight.preflight(cfg, planning=True)
-    lines += [plan.render(plan.make(cfg, hardware.refusal(cfg), cfg.cluster.gpu_memory_gb)), request_line(cfg.cluster)]
+    lines += [plan.render(plan.for_job(cfg, hardware.refusal(cfg))), request_line(cfg.cluster)]
     if script:
         lines.append(f"\nsbatch script (nothing submitted):\n{sbatch_script(cfg, Path(cfg.run_dir) / LOGS)}")
     return "\n".join(lines)
