@@ -28,6 +28,11 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.lr=-0.001"], ["trainer.lr=-0.001", "must be > 0"]),
         (["trainer.lr=fast"], ["trainer.lr=fast", "not a valid float"]),
         (["trainer.compile=maybe"], ["trainer.compile=maybe: not a valid bool; use true or false"]),
+        (["precision.fp8_skip=self_attn"],
+         ["precision.fp8_skip=self_attn: not a list; give one in brackets, e.g. precision.fp8_skip=[self_attn]"]),
+        (["cluster.sbatch_args=[mail-type]"], ["cluster.sbatch_args=[mail-type]: not a mapping; give one in braces, "
+                                               "e.g. cluster.sbatch_args={key: value}"]),
+        (["trainer.optimizer=sgd"], ["trainer.optimizer=sgd: not a mapping"]),
         (["trainer.bacth_size=8"], ["trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?"]),
         (["resum=auto"], ["resum=auto", "no such setting", "did you mean resume?"]),
         (["model.arch=bert"], ["model.arch=bert", "expected one of [gpt2, llama]"]),
@@ -75,6 +80,11 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, e
     (["trainer.learning_rate=1e-3"], "trainer.learning_rate=1e-3: no such setting; did you mean trainer.lr?"),
     (["model.name=gpt2"], "model.name=gpt2: no such setting; did you mean model.name_or_path?"),
     (["trainer.warmup=10"], "trainer.warmup=10: no such setting; did you mean trainer.warmup_steps?"),
+    # what the command line cannot mean: a setting without a value or a value without a setting, a flag Hydra lacks
+    (["trainer.lr"], "trainer.lr: no value; give trainer.lr=VALUE (python -m xtrain --cfg job lists every setting and "
+                     "its value)"),
+    (["=3e-4"], "=3e-4: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4"),
+    (["--multi-run"], "unrecognized arguments: --multi-run; python -m xtrain --help lists the options"),
 ])
 def test_a_mistake_is_refused_with_the_closest_real_option(tmp_path, overrides, expected):
     run_dir = tmp_path / "run"

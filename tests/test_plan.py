@@ -221,8 +221,9 @@ def no_slurm_path(tmp_path) -> dict:
 
 
 def test_a_dry_run_of_a_sweep_prints_each_points_plan_and_starts_nothing(tmp_path):
+    """(`-m` after the overrides, as people type it once they see a sweep's values: a sweep all the same.)"""
     sweep_dir = tmp_path / "sweep"
-    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", "trainer.batch_size=8,16", "dry_run=true")
+    proc = xtrain_in_process(f"run_dir={sweep_dir}", "trainer.batch_size=8,16", "-m", "dry_run=true")
     out = proc.stdout
     assert f"point 0 (trainer.batch_size=8): {sweep_dir / '0_batch_size=8'}" in out
     assert f"point 1 (trainer.batch_size=16): {sweep_dir / '1_batch_size=16'}" in out

@@ -124,6 +124,7 @@ def main() -> None:
         print(help.text())
         return
     keep_private()
+    sys.argv[1:] = arguments(sys.argv[1:])
     for arg in sys.argv[1:]:
         if arg.startswith("run_dir=") and Path(arg.partition("=")[2]).expanduser().is_file():
             fail(f"{arg}: a file, not a directory; give a directory for the run (new, or one to resume=auto)")
@@ -143,6 +144,21 @@ def main() -> None:
     except KeyboardInterrupt:  # before a run started (composing, preparing data)
         print("xtrain: stopped by Ctrl-C before training started; nothing to continue", file=sys.stderr)
         sys.exit(130)
+
+
+def arguments(argv: list[str]) -> list[str]:
+    """The command line as Hydra reads it, `-m` first (it may come after the overrides); a flag Hydra does not have
+    or an override without a setting's name refused in one line (argparse's usage would be eight, Hydra's a
+    traceback)."""
+    from hydra._internal.utils import get_args_parser
+
+    argv = [a for a in argv if a in ("-m", "--multirun")] + [a for a in argv if a not in ("-m", "--multirun")]
+    parser = get_args_parser()
+    parser.error = lambda message: fail(f"{message}; python -m xtrain --help lists the options")
+    for override in parser.parse_args(argv).overrides:
+        if override.lstrip("+~").startswith("="):
+            fail(f"{override}: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4")
+    return argv
 
 
 def _report_refusal(err: Exception) -> None:

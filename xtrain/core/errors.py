@@ -142,6 +142,9 @@ def explain(err: Exception, settings: list[str]) -> str:
         text = " ".join(str(err).split())
         function = re.search(r"Unknown function '(\w+)' Available: ([\w,]+)", text)
         override = re.search(r"Error parsing override '([^']+)'", text)
+        if override and "missing EQUAL" in text:
+            return (f"{override.group(1)}: no value; give {override.group(1)}=VALUE (python -m xtrain --cfg job lists "
+                    "every setting and its value)")
         if function and override:  # a sweep's grammar: the function meant, in one line
             close = closest(function.group(1), function.group(2).split(","))
             hint = f"did you mean {close}?" if close else f"use one of {function.group(2).replace(',', ', ')}"
@@ -158,4 +161,8 @@ def explain(err: Exception, settings: list[str]) -> str:
         reason = f"not a valid {converted.group(1).lower()}"
     elif re.match(r"Value '.*' is not a valid bool", reason):
         reason = "not a valid bool; use true or false"
+    elif "is not a ListConfig, list or tuple" in reason:
+        reason = f"not a list; give one in brackets, e.g. {name}=[{value}]"
+    elif re.match(r"Cannot assign \w+ to Dict\[|Cannot merge DictConfig with ListConfig", reason):
+        reason = f"not a mapping; give one in braces, e.g. {name}={{key: value}}"
     return f"{name}{'' if value is None else '=' + value}: {reason}"
