@@ -22,10 +22,15 @@ def test_env_report():
     for strategy in Strategy:  # the report says what preflight would say
         reason = hardware.refusal(RunConfig(strategy=StrategyConfig(name=strategy)))
         assert rows[f"strategy={strategy.value}"] == ("yes" if reason is None else f"no: {reason.split(': ', 1)[1]}")
-    for precision in Precision:
-        reason = hardware.refusal(RunConfig(precision=PrecisionConfig(name=precision)))
-        assert rows[f"precision={precision.value}"] == ("yes" if reason is None else f"no: {reason.split(': ', 1)[1]}")
+    for precision in Precision:  # (bf16 on a CPU without AMX units: yes, and slower than fp32: tests/test_speed.py)
+        cfg = RunConfig(precision=PrecisionConfig(name=precision))
+        reason = hardware.refusal(cfg)
+        yes = "yes, likely slower than fp32: this CPU has no AMX units" if hardware.slow_precision(cfg) else "yes"
+        assert rows[f"precision={precision.value}"] == (yes if reason is None else f"no: {reason.split(': ', 1)[1]}")
     assert rows["strategy=ddp"] == "yes" and rows["precision=fp32"] == "yes"
+    typo = subprocess.run([sys.executable, "-m", "xtrain.env", "--gpus"], capture_output=True, text=True)
+    assert typo.returncode == 2 and typo.stdout == "" and \
+        typo.stderr == "xtrain.env: error: --gpus: it takes no arguments (python -m xtrain.env --help)\n"
 
 
 def test_gpus_without_bf16_or_fp8_units_are_refused_by_their_compute_capability(monkeypatch):

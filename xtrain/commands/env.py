@@ -57,7 +57,8 @@ def can_run() -> list[tuple[str, str]]:
     rows = []
     for key, cfg in requests:
         reason = hardware.refusal(cfg)
-        rows.append((key, f"no: {reason.removeprefix(key + ': ')}" if reason else "yes"))
+        slow = "yes, likely slower than fp32: this CPU has no AMX units" if hardware.slow_precision(cfg) else "yes"
+        rows.append((key, f"no: {reason.removeprefix(key + ': ')}" if reason else slow))
     gpus = machine.visible_gpus()
     rows.append(("cluster.num_processes", f"auto = {max(1, gpus)} here ({'one per GPU' if gpus else 'no GPU'}); "
                                           "more than 1 on a CPU: DDP over gloo, cores split between processes"))
@@ -87,6 +88,9 @@ def main() -> None:
         print("usage: python -m xtrain.env\n\nVersions of Python, xtrain, torch and the libraries it uses; the devices found; "
               "leaked ACCELERATE_*/FSDP_* settings; which strategies and precisions this machine can run, and why not.")
         return
+    if sys.argv[1:]:
+        print(f"xtrain.env: error: {sys.argv[1]}: it takes no arguments (python -m xtrain.env --help)", file=sys.stderr)
+        sys.exit(2)
     print(report())
 
 
