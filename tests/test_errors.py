@@ -30,8 +30,9 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.compile=maybe"], ["trainer.compile=maybe: not a valid bool; use true or false"]),
         (["precision.fp8_skip=self_attn"],
          ["precision.fp8_skip=self_attn: not a list; give one in brackets, e.g. precision.fp8_skip=[self_attn]"]),
-        (["cluster.sbatch_args=[mail-type]"], ["cluster.sbatch_args=[mail-type]: not a mapping; give one in braces, "
-                                               "e.g. cluster.sbatch_args={key: value}"]),
+        (["cluster.sbatch_args=[mail-type]"], ["cluster.sbatch_args=[mail-type]: not a mapping; set its keys, e.g. "
+                                               "cluster.sbatch_args.KEY=VALUE, or give one in braces: "
+                                               "'cluster.sbatch_args={KEY: VALUE}'"]),
         (["trainer.optimizer=sgd"], ["trainer.optimizer=sgd: not a mapping"]),
         (["trainer.bacth_size=8"], ["trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?"]),
         (["resum=auto"], ["resum=auto", "no such setting", "did you mean resume?"]),
@@ -85,6 +86,9 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, e
                      "its value)"),
     (["=3e-4"], "=3e-4: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4"),
     (["--multi-run"], "unrecognized arguments: --multi-run; python -m xtrain --help lists the options"),
+    (["-m", "trainer.batch_size=range(16,8)"], "trainer.batch_size=range(16,8): the range holds no value (range(start, "
+                                               "stop, step) counts from start up to stop, without it); a sweep of "
+                                               "nothing runs nothing"),
 ])
 def test_a_mistake_is_refused_with_the_closest_real_option(tmp_path, overrides, expected):
     run_dir = tmp_path / "run"

@@ -177,7 +177,12 @@ def test_xtrain_eval_on_two_processes_gives_one_processs_values_and_bad_input_is
     assert one is None or two["accuracy"] == one["accuracy"]
     for args, expected in (([str(sgd_run), "split=dev"], "split=dev: choose val, test, train"),
                            ([str(tmp_path / "nowhere")], f"{tmp_path / 'nowhere'}: no such directory"),
-                           ([str(sgd_run), "data.nope=1"], "data.nope=1: the run has no setting data.nope")):
+                           ([str(sgd_run), "data.nope=1"], "data.nope=1: the run has no setting data.nope"),
+                           ([str(sgd_run), "trainer.lr=fast"], "trainer.lr=fast: not a valid float"),
+                           ([str(sgd_run), "trainer.lr=["], "trainer.lr=[: not a value"),
+                           ([str(sgd_run), "precision=bf16"], "precision=bf16: the run's precision is its settings "
+                                                              "(name, fp8_backend, fp8_recipe, ...), not an option to "
+                                                              "choose; set one of them, e.g. precision.name=...")):
         bad = subprocess.run([sys.executable, "-m", "xtrain.eval", *args], capture_output=True, text=True, cwd=project)
         assert_one_line_error(bad, expected)
 

@@ -175,6 +175,9 @@ BAD = [
     (["trainer.batch_size=choice(8,0)"],
      "the search space's corner trainer.batch_size=0 cannot run: trainer.batch_size=0: must be > 0"),
     (["+hydra.sweeper.params.trainer.lr=1e-3"], "hydra.sweeper.params: no search space"),
+    (["trainer.lr=interval(1e-2,1e-4)"],
+     "hydra.sweeper.params: trainer.lr=interval(1e-2,1e-4): `low <= high` must hold, but got (low=0.01, high=0.0001)"),
+    (["trainer.batch_size=range(16,8)"], "trainer.batch_size=range(16,8): the range holds no value"),
 ]
 
 

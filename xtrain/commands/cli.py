@@ -155,9 +155,19 @@ def arguments(argv: list[str]) -> list[str]:
     argv = [a for a in argv if a in ("-m", "--multirun")] + [a for a in argv if a not in ("-m", "--multirun")]
     parser = get_args_parser()
     parser.error = lambda message: fail(f"{message}; python -m xtrain --help lists the options")
-    for override in parser.parse_args(argv).overrides:
-        if override.lstrip("+~").startswith("="):
-            fail(f"{override}: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4")
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import RangeSweep
+
+    for text in parser.parse_args(argv).overrides:
+        if text.lstrip("+~").startswith("="):
+            fail(f"{text}: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4")
+        try:
+            [override] = OverridesParser.create().parse_overrides([text])
+        except HydraException as err:
+            _report_refusal(err)
+        if isinstance(override.value(), RangeSweep) and not list(override.sweep_iterator()):
+            fail(f"{text}: the range holds no value (range(start, stop, step) counts from start up to stop, "
+                 "without it); a sweep of nothing runs nothing")
     return argv
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from xtrain.commands import cli
 from xtrain.config import schema
 from xtrain.core import rundir
-from xtrain.core.errors import ConfigError, LaunchFailed
+from xtrain.core.errors import ConfigError, LaunchFailed, explain
 from xtrain.core.files import write_atomic
 from xtrain.tasks.exports import NotCompleted
 
@@ -55,13 +55,26 @@ def run_config(run_dir: Path, overrides: list[str]):
     path = run_dir / rundir.RUN_CONFIG
     if not path.is_file():
         raise ConfigError(f"{run_dir}: {'no such directory' if not run_dir.exists() else 'not a run dir (no run.yaml)'}")
+    from omegaconf.errors import OmegaConfBaseException
+
     config = OmegaConf.load(path)
     for override in overrides:
         key, _, value = override.partition("=")
         if not key.startswith("+") and OmegaConf.select(config, key, default=KeyError) is KeyError:
             raise ConfigError(f"{override}: the run has no setting {key}; add one with +{key}=...")
-        OmegaConf.update(config, key.lstrip("+"), yaml.safe_load(value), force_add=True)
-    return schema.from_container(config)
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{override}: not a value (a number, a word, [a list] or {{a: mapping}})") from None
+        group = OmegaConf.select(config, key.lstrip("+"))
+        if OmegaConf.is_dict(group) and not isinstance(value, dict):  # `precision=bf16`: run.yaml holds it resolved
+            raise ConfigError(f"{override}: the run's {key} is its settings ({', '.join(list(group)[:3])}, ...), not "
+                              f"an option to choose; set one of them, e.g. {key}.{next(iter(group))}=...")
+        OmegaConf.update(config, key.lstrip("+"), value, force_add=True)
+    try:
+        return schema.from_container(config)
+    except OmegaConfBaseException as err:
+        raise ConfigError(explain(err, schema.setting_names())) from None
 
 
 def evaluate_here(run_dir: Path, cfg, options: dict) -> dict | None:

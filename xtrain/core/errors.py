@@ -164,5 +164,5 @@ def explain(err: Exception, settings: list[str]) -> str:
     elif "is not a ListConfig, list or tuple" in reason:
         reason = f"not a list; give one in brackets, e.g. {name}=[{value}]"
     elif re.match(r"Cannot assign \w+ to Dict\[|Cannot merge DictConfig with ListConfig", reason):
-        reason = f"not a mapping; give one in braces, e.g. {name}={{key: value}}"
+        reason = f"not a mapping; set its keys, e.g. {name}.KEY=VALUE, or give one in braces: '{name}={{KEY: VALUE}}'"
     return f"{name}{'' if value is None else '=' + value}: {reason}"

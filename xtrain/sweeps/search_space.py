@@ -51,13 +51,14 @@ def parse(overrides: list[str], known: set[str] | None = None) -> Space:
             hint = f"did you mean {close}?" if close else "e.g. trainer.lr, trainer.batch_size, model.num_layers"
             raise ConfigError(f"hydra.sweeper.params: {key} names no setting of xtrain's run config; {hint}")
         if override.is_sweep_override():
-            space.distributions[key] = distribution(key, override)
+            space.distributions[key] = distribution(text, override)
         else:
             space.fixed.append(text)
     return space
 
 
-def distribution(key: str, override):
+def distribution(text: str, override):
+    """`override`, parsed from `text` (what its refusals quote)."""
     from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep, Transformer
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
@@ -78,8 +79,8 @@ def distribution(key: str, override):
                 return IntDistribution(int(value.start), int(value.end), log="log" in tags)
             return FloatDistribution(value.start, value.end, log="log" in tags)
     except ValueError as err:
-        raise ConfigError(f"hydra.sweeper.params: {key}={override.get_value_element_as_str()}: {err}") from None
-    raise ConfigError(f"hydra.sweeper.params: {key}={override.get_value_element_as_str()}: a study samples "
+        raise ConfigError(f"hydra.sweeper.params: {text}: {err}") from None
+    raise ConfigError(f"hydra.sweeper.params: {text}: a study samples "
                       "choice(), range() and interval(), optionally tag(log, ...); not this sweep")
 
 
