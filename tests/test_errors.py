@@ -51,6 +51,8 @@ def snapshot(root: Path) -> dict[str, str]:
          ["trainer.compile=true", "strategy.fsdp_version=1", "strategy.fsdp_version=2"]),
         (["trainer.monitor=val_accuracy"],
          ["trainer.monitor=val_accuracy: the task does not compute it; it computes val_loss, val_ppl"]),
+        (["model.lora.rank=8"], ["model.lora.rank=8: a setting of LoRA, and this run trains every weight "
+                                 "(model.lora.enabled=false); add model.lora.enabled=true, or drop it"]),
         (["precision=bf16", "precision.fp8_recipe=rowwise"],
          ["precision.fp8_recipe=rowwise: a setting of fp8 with torchao", "precision=bf16", "precision.fp8_backend=torchao"]),
         (["precision=fp8", "precision.fp8_backend=torchao", "strategy=fsdp", "model=hf", "model.name_or_path=org/model"],

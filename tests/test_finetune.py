@@ -224,8 +224,8 @@ LORA = ["model.lora.enabled=true", "data.block_size=128", "trainer.batch_size=4"
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_kill_9_mid_fine_tuning_resumes_bitwise(tmp_path, tiny, lora):
-    common = [*sft(tiny, [write_facts(tmp_path / "f.jsonl", "messages", facts(1))]), *LORA,
-              f"model.lora.enabled={str(lora).lower()}"]
+    common = [*sft(tiny, [write_facts(tmp_path / "f.jsonl", "messages", facts(1))]),
+              *(o for o in LORA if lora or not o.startswith("model.lora."))]  # (full: every weight, no LoRA setting)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     reference = start_xtrain(f"run_dir={whole}", *common)
     proc = start_xtrain(f"run_dir={killed}", *common, quiet=True)
