@@ -180,6 +180,19 @@ def test_min_nodes_is_a_slurm_setting_within_the_nodes_that_keeps_the_effective_
         assert str(err.value).startswith("cluster.min_nodes=") and expected in str(err.value), err.value
 
 
+@pytest.mark.parametrize("override,shown", [
+    ("cluster.partition=gpu", "cluster.partition=gpu"), ("cluster.time_limit=04:00:00", "cluster.time_limit=04:00:00"),
+    ("cluster.wait=false", "cluster.wait=false"), ("cluster.mem_gb=64", "cluster.mem_gb=64"),
+    ("+cluster.sbatch_args.mail-type=END", "cluster.sbatch_args={mail-type: END}"),
+])
+def test_a_slurm_jobs_setting_given_to_a_local_run_is_refused(override, shown):
+    """cluster=slurm forgotten: the run would train on this machine (a login node, say) and ignore the setting."""
+    with pytest.raises(ConfigError) as err:
+        compose_run(override)
+    assert str(err.value) == (f"{shown}: a setting of a SLURM job, and this run trains on this machine (cluster=local); "
+                              "add cluster=slurm to submit it, or drop it")
+
+
 def test_a_newline_in_an_sbatch_args_key_is_refused():
     """(Hydra's command line cannot spell one; a config file or the Python API can.)"""
     with pytest.raises(ConfigError, match="holds a control character"):

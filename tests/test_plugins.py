@@ -260,6 +260,16 @@ def test_fsdp_wrap_layer_is_detected_and_checked():
     (["strategy=fsdp", "strategy.sharding=hybrid_shard"], "other sharding strategies need strategy.fsdp_version=1"),
     (["strategy=zero2", "strategy.cpu_offload=true"], "strategy.cpu_offload=true: only for strategy=fsdp"),
     (["strategy=ddp", "strategy.deepspeed_config=a.json"], "strategy.deepspeed_config=a.json: only for strategy=zero"),
+    # every setting of FSDP's alone, given with another strategy (it would do nothing there)
+    (["strategy=ddp", "strategy.wrap_layer=GPT2Block"], "strategy.wrap_layer=GPT2Block: only for strategy=fsdp"),
+    (["strategy=zero3", "strategy.state_dict_type=full"], "strategy.state_dict_type=full: only for strategy=fsdp"),
+    (["strategy=ddp", "strategy.fsdp_version=1"], "strategy.fsdp_version=1: only for strategy=fsdp"),
+    (["strategy=ddp", "strategy.sharding=no_shard"], "strategy.sharding=no_shard: only for strategy=fsdp"),
+    (["strategy=zero2", "strategy.reshard_after_forward=false"], "strategy.reshard_after_forward=false: only for strategy=fsdp"),
+    (["strategy=ddp", "strategy.cpu_ram_efficient_loading=false"],
+     "strategy.cpu_ram_efficient_loading=false: only for strategy=fsdp"),
+    (["strategy=zero2", "strategy.offload_optimizer=cpu", "strategy.nvme_path=/nvme"],
+     "strategy.nvme_path=/nvme: only for nvme offload"),
 ])
 def test_inconsistent_strategy_settings(overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("|", r"\|")):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, List, Optional
 
-from xtrain.core.errors import ConfigError, non_negative, positive
+from xtrain.core.errors import ConfigError, changed_settings, non_negative, positive
 
 
 class ClusterKind(Enum):
@@ -22,6 +22,10 @@ class ClusterKind(Enum):
 
 SCRIPT_STRINGS = ("job_name", "partition", "account", "qos", "constraint", "exclude", "time_limit",
                   "container_image", "container_mounts", "container_python")
+# what a SLURM job asks for and how it is followed: one given (not its default) to a local run is refused
+SLURM_ONLY = ("gpus_per_node", "cpus_per_task", "mem_gb", "time_limit", "partition", "account", "qos", "constraint",
+              "exclude", "job_name", "sbatch_args", "setup", "srun_args", "container_image", "container_mounts",
+              "container_python", "wait", "signal_lead_s", "max_requeues")
 SHELL_STRINGS = ("setup", "srun_args", "sbatch_args")  # also never sent to a tracker (tracking.hyperparameters)
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD")
 _ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)\s*=")
@@ -122,6 +126,9 @@ class ClusterConfig:
         if self.min_nodes is not None and self.kind is not ClusterKind.slurm:
             raise ConfigError(f"cluster.min_nodes={self.min_nodes}: a SLURM setting (a node range for the job); "
                               "use it with cluster=slurm")
+        for asked in changed_settings(self, "cluster", SLURM_ONLY) if self.kind is ClusterKind.local else ():
+            raise ConfigError(f"{asked}: a setting of a SLURM job, and this run trains on this machine "
+                              "(cluster=local); add cluster=slurm to submit it, or drop it")
         if not 0 <= self.node_rank < self.nodes:
             raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
         if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):

@@ -6,14 +6,7 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import List
 
-from xtrain.core.errors import ConfigError, positive
-
-
-def value_text(value) -> str:
-    """A setting's value as one would type it: `nf4`, `[q_proj,v_proj]`, `8`."""
-    if isinstance(value, Enum):
-        return value.value
-    return f"[{','.join(value)}]" if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else str(value)
+from xtrain.core.errors import ConfigError, changed_settings, positive
 
 
 class BaseQuantization(Enum):
@@ -40,9 +33,7 @@ class LoraConfig:
     """`nf4`: QLoRA, the frozen base loaded in 4 bits (needs a CUDA GPU and bitsandbytes)."""
 
     def __post_init__(self) -> None:
-        asked = [f"model.lora.{f.name}={value_text(getattr(self, f.name))}" for f in fields(self)
-                 if f.name != "enabled" and getattr(self, f.name) != getattr(LoraConfig, f.name, None)
-                 and not (f.name in ("target_modules", "modules_to_save") and not getattr(self, f.name))]
+        asked = changed_settings(self, "model.lora", [f.name for f in fields(self) if f.name != "enabled"])
         if asked and not self.enabled:
             raise ConfigError(f"{asked[0]}: a setting of LoRA, and this run trains every weight "
                               "(model.lora.enabled=false); add model.lora.enabled=true, or drop it")

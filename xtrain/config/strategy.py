@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
-from xtrain.core.errors import ConfigError
+from xtrain.core.errors import ConfigError, changed_settings
 
 
 class Strategy(Enum):
@@ -33,6 +33,11 @@ class FsdpSharding(Enum):
 class StateDictType(Enum):
     full = "full"
     sharded = "sharded"
+
+
+# settings of FSDP's alone: one given (not its default) with another strategy is refused
+FSDP_ONLY = ("fsdp_version", "sharding", "cpu_offload", "wrap_layer", "activation_checkpointing", "state_dict_type",
+             "reshard_after_forward", "cpu_ram_efficient_loading")
 
 
 @dataclass
@@ -92,9 +97,11 @@ class StrategyConfig:
         if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
         if self.name is not Strategy.fsdp:
-            for key in ("cpu_offload", "activation_checkpointing"):
-                if getattr(self, key):
-                    raise ConfigError(f"strategy.{key}=true: only for strategy=fsdp")
+            for asked in changed_settings(self, "strategy", FSDP_ONLY):
+                raise ConfigError(f"{asked}: only for strategy=fsdp")
+        if self.nvme_path and Offload.nvme not in (self.offload_optimizer, self.offload_param):
+            raise ConfigError(f"strategy.nvme_path={self.nvme_path}: only for nvme offload (strategy.offload_optimizer="
+                              "nvme or strategy.offload_param=nvme)")
         self._check_mesh()
         if self.fsdp_version not in (1, 2):
             raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")

@@ -69,6 +69,26 @@ def non_negative(name: str, value: float) -> None:
         raise ConfigError(f"{name}={value}: must be >= 0")
 
 
+def changed_settings(settings, group: str, names) -> list[str]:
+    """`group.name=value` for each of `names` that the dataclass `settings` holds at other than its default, as one
+    would type it (a setting that does nothing where it was given is refused, not ignored)."""
+    import dataclasses
+    from enum import Enum
+
+    found = []
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if f.name not in names or value == default:
+            continue
+        shown = (value.value if isinstance(value, Enum) else str(value).lower() if isinstance(value, bool)
+                 else f"[{','.join(map(str, value))}]" if isinstance(value, list)
+                 else "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}" if isinstance(value, dict) else f"{value:g}"
+                 if isinstance(value, float) else str(value))
+        found.append(f"{group}.{f.name}={shown}")
+    return found
+
+
 def one_line(err: BaseException) -> str:
     """An error as result.json and the terminal show it: xtrain's own errors as they are, others typed."""
     text = str(err).splitlines()[0] if str(err) else type(err).__name__
