@@ -51,6 +51,17 @@ def snapshot(root: Path) -> dict[str, str]:
          ["trainer.compile=true", "strategy.fsdp_version=1", "strategy.fsdp_version=2"]),
         (["trainer.monitor=val_accuracy"],
          ["trainer.monitor=val_accuracy: the task does not compute it; it computes val_loss, val_ppl"]),
+        # a setting of another data source's: data.files without data=text trained on the default corpus
+        (["data.files=[notes.txt]"], ["data.files=[notes.txt]: not read by data=pydoc; use data=text (or data=sft, "
+                                      "data=images), or drop it"]),
+        (["data=text", "data.files=[README.md]", "data.packing=false"],
+         ["data.packing=false: not read by data=text; use data=sft, or drop it"]),
+        (["data=text", "data.files=[README.md]", "data.split=validation"],
+         ["data.split=validation: not read by data=text; use data.name (with data=hf or data=sft), or drop it"]),
+        (["tracker.project=mine"], ["tracker.project=mine: a setting of a tracker, and this run has tracker=none; add "
+                                    "tracker=wandb or tracker=tensorboard, or drop it"]),
+        (["tracker=tensorboard", "tracker.wandb_mode=offline"],
+         ["tracker.wandb_mode=offline: a setting of W&B, and this run has tracker=tensorboard; add tracker=wandb"]),
         (["model.lora.rank=8"], ["model.lora.rank=8: a setting of LoRA, and this run trains every weight "
                                  "(model.lora.enabled=false); add model.lora.enabled=true, or drop it"]),
         (["precision=bf16", "precision.fp8_recipe=rowwise"],

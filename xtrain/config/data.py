@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import List, Optional
 
-from xtrain.core.errors import ConfigError, positive
+from xtrain.core.errors import ConfigError, changed_settings, positive
 
 
 class DataSource(Enum):
@@ -29,6 +29,9 @@ class TrainOn(Enum):
     answers = "answers"  # the assistant turns (the completion, the output); the rest is context
     all = "all"  # every token of the rendered example
 
+
+
+SFT_ONLY = ("format", "train_on", "packing", "chat_template")  # how instruction and chat examples are read
 
 
 @dataclass
@@ -70,6 +73,19 @@ class DataConfig:
     training data's; evaluated on the model `model/` keeps (`test_<name>` in result.json). (`task=custom`:
     `data.test._target_=...`.)"""
 
+    def _check_source_settings(self) -> None:
+        """A setting of another source's, which this one would not read (`data.files` with data=pydoc: it trained on
+        pydoc), is refused."""
+        source = self.source
+        unread = [*(["files"] if source in (DataSource.pydoc, DataSource.hf) else []),
+                  *(["name"] if source in (DataSource.pydoc, DataSource.text, DataSource.images) else []),
+                  *(["config_name", "split"] if not self.name else []), *(SFT_ONLY if source is not DataSource.sft else [])]
+        for asked in changed_settings(self, "data", unread):
+            key = asked.partition("=")[0].removeprefix("data.")
+            use = ("data=sft" if key in SFT_ONLY else "data=text (or data=sft, data=images)" if key == "files"
+                   else "data=hf (or data=sft)" if key == "name" else "data.name (with data=hf or data=sft)")
+            raise ConfigError(f"{asked}: not read by data={source.value}; use {use}, or drop it")
+
     def __post_init__(self) -> None:
         if self.source is DataSource.sft and not (self.files or self.name):
             raise ConfigError("data.files is empty: data=sft needs example files (data.files=[chat.jsonl]) "
@@ -81,6 +97,7 @@ class DataConfig:
             raise ConfigError("data.files is empty: data=text needs files or globs, e.g. data.files=[notes/*.txt]")
         if self.source is DataSource.hf and not self.name:
             raise ConfigError("data.name is empty: data=hf needs a datasets hub name or a save_to_disk directory")
+        self._check_source_settings()
         positive("data.block_size", self.block_size)
         if not 0 < self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction={self.val_fraction}: must be between 0 and 1 (exclusive)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from xtrain.core.errors import ConfigError
+from xtrain.core.errors import ConfigError, changed_settings
 
 
 class TrackerKind(Enum):
@@ -26,3 +26,8 @@ class TrackerConfig:
     def __post_init__(self) -> None:
         if self.wandb_mode not in ("auto", "online", "offline"):
             raise ConfigError(f"tracker.wandb_mode={self.wandb_mode}: must be one of auto, online, offline")
+        unused = {TrackerKind.none: ("project", "wandb_mode"), TrackerKind.tensorboard: ("wandb_mode",)}
+        for asked in changed_settings(self, "tracker", unused.get(self.kind, ())):
+            raise ConfigError(f"{asked}: a setting of {'W&B' if asked.startswith('tracker.wandb') else 'a tracker'}, and "
+                              f"this run has tracker={self.kind.value}; add tracker=wandb"
+                              f"{'' if asked.startswith('tracker.wandb') else ' or tracker=tensorboard'}, or drop it")
