@@ -58,6 +58,14 @@ def snapshot(root: Path) -> dict[str, str]:
          ["data.packing=false: not read by data=text; use data=sft, or drop it"]),
         (["data=text", "data.files=[README.md]", "data.split=validation"],
          ["data.split=validation: not read by data=text; use data.name (with data=hf or data=sft), or drop it"]),
+        # a pretrained model's setting with a model built from config, and the other way round; Llama's with GPT-2
+        (["model.name_or_path=gpt2"], ["model.name_or_path=gpt2: a pretrained model's, and this run builds a gpt2 from "
+                                       "config with random weights; use model=hf to load it, or drop it"]),
+        (["model=hf", "model.name_or_path=org/model", "model.num_layers=2"],
+         ["model.num_layers=2: a setting of a model built from config, and model=hf loads org/model with its own"]),
+        (["model.num_kv_heads=2"], ["model.num_kv_heads=2: grouped-query attention is Llama's; use model=tiny_llama"]),
+        (["precision=bf16", "precision.fp8_backend=torchao"],
+         ["precision.fp8_backend=torchao: a setting of fp8, and this run has precision=bf16; add precision=fp8"]),
         (["tracker.project=mine"], ["tracker.project=mine: a setting of a tracker, and this run has tracker=none; add "
                                     "tracker=wandb or tracker=tensorboard, or drop it"]),
         (["tracker=tensorboard", "tracker.wandb_mode=offline"],

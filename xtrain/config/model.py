@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from xtrain.config.lora import BaseQuantization, LoraConfig
-from xtrain.core.errors import ConfigError, positive
+from xtrain.config.lora import LoraConfig
+from xtrain.core.errors import ConfigError, changed_settings, positive
 
 
 class ModelSource(Enum):
@@ -19,6 +19,11 @@ class ModelSource(Enum):
 class ModelArch(Enum):
     gpt2 = "gpt2"
     llama = "llama"
+
+
+# the shape of a model built from config: one given to a pretrained model (its own config decides) is refused
+BUILT_ONLY = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+              "dropout")
 
 
 @dataclass
@@ -51,10 +56,17 @@ class ModelConfig:
                 "model.lora.enabled=true: the model is built from config with random weights, and LoRA adapts "
                 "trained ones; use model=hf model.name_or_path=<a pretrained model>"
             )
-        if self.lora.quantize_base is not BaseQuantization.none and not self.lora.enabled:
-            raise ConfigError(f"model.lora.quantize_base={self.lora.quantize_base.value}: only with model.lora.enabled=true")
         if self.source is ModelSource.pretrained and not self.name_or_path:
             raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
+        if self.source is ModelSource.config and self.name_or_path:
+            raise ConfigError(f"model.name_or_path={self.name_or_path}: a pretrained model's, and this run builds a "
+                              f"{self.arch.value} from config with random weights; use model=hf to load it, or drop it")
+        for asked in changed_settings(self, "model", BUILT_ONLY) if self.source is ModelSource.pretrained else ():
+            raise ConfigError(f"{asked}: a setting of a model built from config, and model=hf loads "
+                              f"{self.name_or_path} with its own; drop it")
+        if self.num_kv_heads is not None and self.arch is not ModelArch.llama:
+            raise ConfigError(f"model.num_kv_heads={self.num_kv_heads}: grouped-query attention is Llama's; "
+                              "use model=tiny_llama, or drop it")
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             positive(f"model.{name}", getattr(self, name))
         if self.vocab_size < 260:

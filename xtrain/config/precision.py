@@ -40,6 +40,9 @@ class PrecisionConfig:
     `[self_attn]`); the model's input layer and output head always are."""
 
     def __post_init__(self) -> None:
+        if self.name is not Precision.fp8 and self.fp8_backend is not Fp8Backend.te:
+            raise ConfigError(f"precision.fp8_backend={self.fp8_backend.value}: a setting of fp8, and this run has "
+                              f"precision={self.name.value}; add precision=fp8, or drop it")
         torchao = self.name is Precision.fp8 and self.fp8_backend is Fp8Backend.torchao
         asked = [f"precision.fp8_recipe={self.fp8_recipe.value}"] if self.fp8_recipe is not Fp8Recipe.tensorwise else []
         asked += [f"precision.fp8_skip=[{','.join(self.fp8_skip)}]"] if self.fp8_skip else []
