@@ -240,7 +240,8 @@ def test_deepspeed_reads_every_config_xtrain_writes(strategy, monkeypatch):
     for precision, (optimizer, param) in itertools.product(["fp32", "fp16", "bf16", "fp8"], offloads):
         cfg = compose_run(f"strategy={strategy}", f"precision={precision}", f"strategy.offload_optimizer={optimizer}",
                           *([f"strategy.offload_param={param}"] if strategy == "zero3" else []),
-                          "strategy.nvme_path=/local/nvme", "cluster.num_processes=1", "trainer.batch_size=4",
+                          *(["strategy.nvme_path=/local/nvme"] if "nvme" in (optimizer, param) else []),
+                          "cluster.num_processes=1", "trainer.batch_size=4",
                           "trainer.grad_accum=2")
         parsed = DeepSpeedConfig(plugins.deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64)))
         case = f"{strategy} {precision} offload {optimizer}/{param}"

@@ -50,6 +50,12 @@ class ModelConfig:
     """Dropout of the built-in model (attention, residual and embedding)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
+    def check_source(self) -> None:
+        """(After the task's checks, whose refusals of a built model say more.)"""
+        if self.source is ModelSource.config and self.name_or_path:
+            raise ConfigError(f"model.name_or_path={self.name_or_path}: a pretrained model's, and this run builds a "
+                              f"{self.arch.value} from config with random weights; use model=hf to load it, or drop it")
+
     def __post_init__(self) -> None:
         if self.lora.enabled and self.source is ModelSource.config:
             raise ConfigError(
@@ -58,9 +64,6 @@ class ModelConfig:
             )
         if self.source is ModelSource.pretrained and not self.name_or_path:
             raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
-        if self.source is ModelSource.config and self.name_or_path:
-            raise ConfigError(f"model.name_or_path={self.name_or_path}: a pretrained model's, and this run builds a "
-                              f"{self.arch.value} from config with random weights; use model=hf to load it, or drop it")
         for asked in changed_settings(self, "model", BUILT_ONLY) if self.source is ModelSource.pretrained else ():
             raise ConfigError(f"{asked}: a setting of a model built from config, and model=hf loads "
                               f"{self.name_or_path} with its own; drop it")

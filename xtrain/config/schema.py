@@ -145,6 +145,8 @@ def from_container(container: Any) -> RunConfig:
     if model or data:
         cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
     check_task(cfg)
+    if isinstance(cfg.model, ModelConfig):
+        cfg.model.check_source()
     check_monitor(cfg.trainer, cfg.task)
     if cfg.task.code_dir is None and names_users_code(cfg):
         import os
