@@ -56,7 +56,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
 BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py",
-                "test_custom_task.py", "test_decorator.py", "test_own_loop.py", "test_train.py"}
+                "test_custom_task.py", "test_decorator.py", "test_own_loop.py", "test_train.py", "test_errors.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
