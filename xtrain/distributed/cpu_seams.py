@@ -54,6 +54,15 @@ def fp8_on_cpu(cfg: RunConfig) -> bool:
             and _switched_on(FP8_ON_CPU_ENV))
 
 
+def emulate_fp8_matmuls() -> None:
+    """fp8 seam: torch's CPU `_scaled_mm` upcasts and multiplies (exact for fp8 inputs), not oneDNN's. On a CPU with
+    AMX units torch hands fp8 matmuls to oneDNN, which has only its reference kernel for them: measured 2 s for one
+    512 x 128 x 512 matmul, about 1,000x the upcast (a 10-step run of the seam's model took over 10 minutes)."""
+    import torch
+
+    torch.backends.mkldnn.enabled = False
+
+
 def compile_fp8_without_cpu_vectors() -> None:
     """fp8 seam with trainer.compile: inductor's C++ code for the CPU without SIMD vectors. With them, torch 2.13
     miscompiles torchao's backward (weight gradients of layers that share an input read uninitialised memory: NaN

@@ -70,6 +70,8 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
         cpu_seams.accept_torch_adamw_offloaded(kwargs["deepspeed_plugin"])
     if cpu_seams.fsdp_on_cpu(cfg.strategy):
         cpu_seams.present_cpu_as_accelerator(kwargs["fsdp_plugin"], timeout)
+    if cpu_seams.fp8_on_cpu(cfg):
+        cpu_seams.emulate_fp8_matmuls()
     if cpu_seams.fp8_on_cpu(cfg) and cfg.trainer.compile:
         cpu_seams.compile_fp8_without_cpu_vectors()
     accelerator = Accelerator(
