@@ -26,7 +26,7 @@ SEAM = {cpu_seams.FSDP_ON_CPU_ENV: "1"}
 # DDP and HSDP deal micro-batches of 4 to 4 data-parallel ranks, FSDP2 x TP micro-batches of 8 to 2: 16 a step each
 RUN = ["model=tiny_llama", "cluster.num_processes=4", "trainer.max_steps=8", "trainer.warmup_steps=2",
        "trainer.log_every=1", "trainer.eval_every=4", "trainer.save_every=4"]
-HSDP = ["strategy=fsdp", "strategy.dp_replicate=2", "trainer.batch_size=4"]
+HSDP = ["strategy=fsdp", "strategy.dp_replicate=2", "trainer.batch_size=4", "strategy.reshard_after_forward=false"]
 FSDP_TP = ["strategy=fsdp", "strategy.tp=2", "trainer.batch_size=8"]
 
 

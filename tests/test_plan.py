@@ -67,6 +67,10 @@ def test_the_smallest_fit_is_the_least_sharding_that_fits():
     assert fit(4)[0] == "strategy=zero3 strategy.offload_optimizer=cpu"
     assert fit(2)[0] == "strategy=zero3 strategy.offload_optimizer=cpu strategy.offload_param=cpu"
     assert fit(1) is None
+    # a run with NVMe offload is weighed against the others, which do not take its path
+    nvme = compose_run("precision=bf16", "cluster.num_processes=8", "strategy=zero3", "strategy.offload_optimizer=nvme",
+                       "strategy.offload_param=nvme", "strategy.nvme_path=/local/nvme")
+    assert estimate.smallest_fit(psi, nvme, facts, 80 * GB)[0] == "strategy=zero3"  # (its own fits)
 
 
 LLAMA_70B = ["model=tiny_llama", "model.hidden_size=8192", "model.num_layers=80", "model.num_heads=64",

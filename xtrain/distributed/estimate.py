@@ -135,12 +135,11 @@ def _strategies(cfg: RunConfig) -> list:
     s = cfg.strategy
     if s.name is Strategy.fsdp:
         return [s]
-    keep = {"offload_optimizer": Offload.none, "offload_param": Offload.none, "deepspeed_config": s.deepspeed_config}
-    options = [replace(s, **{**keep, "name": name, "offload_optimizer": opt, "offload_param": param,
-                             "deepspeed_config": s.deepspeed_config if name is not Strategy.ddp else None})
+    options = [replace(s, name=name, offload_optimizer=opt, offload_param=param, nvme_path=None,
+                       deepspeed_config=s.deepspeed_config if name is not Strategy.ddp else None)
                for name, opt, param in _OFFLOADS]
     options.append(replace(s, name=Strategy.fsdp, offload_optimizer=Offload.none, offload_param=Offload.none,
-                           deepspeed_config=None))
+                           nvme_path=None, deepspeed_config=None))
     return [s] + [o for o in options if o != s]
 
 
