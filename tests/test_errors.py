@@ -39,6 +39,7 @@ def snapshot(root: Path) -> dict[str, str]:
         (["model.arch=bert"], ["model.arch=bert", "expected one of [gpt2, llama]"]),
         (["data=text", "data.files=[/no/such/dir/*.txt]"], ["data.files", "/no/such/dir/*.txt", "matches no file"]),
         (["data=hf", "data.name=/no/such/dataset"], ["data.name=/no/such/dataset", "no such directory"]),
+        (["data=hf", "data.name=docs"], ["data.name=docs: not a dataset directory", "save_to_disk"]),
         (["data=hf", "data.name=no-such-org/no-such-dataset"],
          ["data.name=no-such-org/no-such-dataset", "cannot be loaded", "save_to_disk directory"]),
         (["model=hf"], ["model.name_or_path", "needs a hub id or a local model directory"]),

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_one_line_error, read_metrics, read_result, run_xtrain
+from conftest import assert_one_line_error, read_metrics, read_result, run_xtrain, xtrain_in_process
 
 GOOD = ["great", "wonderful", "excellent", "delightful", "superb", "lovely", "fantastic", "brilliant"]
 BAD = ["terrible", "awful", "dreadful", "horrible", "boring", "disappointing", "poor", "miserable"]
@@ -58,24 +58,29 @@ def praise(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(encoder, reviews, praise, tmp_path_factory):
+    """The reviews as a save_to_disk dataset (data=hf), tested on a file of records."""
+    import datasets
+
+    saved = tmp_path_factory.mktemp("saved") / "reviews"
+    datasets.Dataset.from_json(str(reviews)).save_to_disk(str(saved))
     run_dir = tmp_path_factory.mktemp("seq_cls") / "run"
-    run_xtrain(f"run_dir={run_dir}", *seq_cls(encoder, reviews, "task.num_labels=2", f"data.test=[{praise}]"))
+    run_xtrain(f"run_dir={run_dir}", "task=seq_cls", f"model.name_or_path={encoder}", "data=hf", f"data.name={saved}",
+               *TRAIN, "task.num_labels=2", f"data.test=[{praise}]")
     return run_dir
 
 
-def test_a_test_file_is_evaluated_on_the_kept_model_with_the_training_labels(trained):
-    """40 positive reviews: accuracy is the share predicted `pos` (id 1, as in training), and xtrain.eval agrees."""
-    import subprocess
-    import sys
+def test_a_test_file_is_evaluated_on_the_kept_model_with_the_training_labels(trained, tmp_path):
+    """40 positive reviews in a file, beside training records from a dataset: accuracy is the share predicted `pos`
+    (id 1, as in training), and xtrain.eval agrees."""
 
     import xtrain
 
     result = read_result(trained)
     assert result["model_test"]["step"] == result["model_step"] == 30 and result["test_accuracy"] >= 0.9
-    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(trained), "split=test"], capture_output=True,
-                          text=True)
-    assert proc.returncode == 0, proc.stderr
+    xtrain_in_process(str(trained), "split=test", f"predictions={tmp_path / 'p.jsonl'}", command="xtrain.eval")
     assert json.loads((trained / "eval.json").read_text())["test"]["accuracy"] == result["test_accuracy"]
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len(rows) == 40 and {row["target"] for row in rows} == {1}  # the file's records, not the dataset's
     assert xtrain.load_model(trained).config.id2label == {0: "neg", 1: "pos"}
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import SHORT, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
+from conftest import SHORT, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
 
 
 @pytest.mark.slow
@@ -120,6 +120,11 @@ def test_datasets_save_to_disk_directory(tmp_path):
     assert proc.returncode == 2 and "data.text_column=text: not a column" in proc.stderr and "body, id" in proc.stderr
     # failed before training started: the same run dir takes the corrected run
     run_xtrain(f"run_dir={bad_dir}", "data=hf", f"data.name={ds_dir}", "data.text_column=body", *SHORT)
+    # a DatasetDict without the split: a dry run refuses it as the run would, from the directory's index
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"body": texts[:4]})).save_to_disk(str(tmp_path / "dd"))
+    proc = xtrain_in_process("data=hf", f"data.name={tmp_path / 'dd'}", "data.split=validation", "dry_run=true",
+                             check=False)
+    assert_one_line_error(proc, f"data.split=validation: not in {tmp_path / 'dd'}; choose one of train")
 
 
 def test_bf16_autocast_is_really_applied(tmp_path, short_run):

@@ -3,7 +3,7 @@ sequences."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import List, Optional
 
@@ -85,6 +85,12 @@ class DataConfig:
             use = ("data=sft" if key in SFT_ONLY else "data=text (or data=sft, data=images)" if key == "files"
                    else "data=hf (or data=sft)" if key == "name" else "data.name (with data=hf or data=sft)")
             raise ConfigError(f"{asked}: not read by data={source.value}; use {use}, or drop it")
+
+    def test_files(self) -> DataConfig:
+        """`test`'s files, read as files of this source's kind are: images, or labelled records (those of a dataset
+        by `name` too)."""
+        source = DataSource.images if self.source is DataSource.images else DataSource.text
+        return replace(self, source=source, files=list(self.test), test=[], name=None, config_name=None, split="train")
 
     def __post_init__(self) -> None:
         if self.source is DataSource.sft and not (self.files or self.name):

@@ -329,7 +329,9 @@ def check(data: DataConfig) -> None:
                 next(iter(source._read([path], Counts())), None)
     elif data.source is DataSource.sft and data.files:
         Files(data)  # every pattern matches a file (the shapes are read while preparing)
-    elif data.source in (DataSource.hf, DataSource.sft) and not is_local_dataset_dir(data.name):
+    elif data.source in (DataSource.hf, DataSource.sft) and is_local_dataset_dir(data.name):
+        check_saved_dataset(data)
+    elif data.source in (DataSource.hf, DataSource.sft):
         if _looks_like_path(data.name):
             raise ConfigError(
                 f"data.name={data.name}: no such directory; give a save_to_disk directory or a hub dataset name"
@@ -343,6 +345,21 @@ def check(data: DataConfig) -> None:
                 f"data.name={data.name}: cannot be loaded ({first_line(err)[:200]}); "
                 "give a save_to_disk directory, or a hub dataset that is cached or reachable"
             ) from None
+
+
+def check_saved_dataset(data: DataConfig) -> None:
+    """A local `data.name` is what `save_to_disk` writes (a Dataset, or a DatasetDict holding `data.split`), read
+    from its index files only: a dry run refuses what the run would."""
+    path = Path(os.path.expanduser(data.name))
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if data.split not in splits:
+            raise ConfigError(f"data.split={data.split}: not in {data.name}; choose one of {', '.join(splits)}")
+    elif not ((path / "state.json").is_file() and (path / "dataset_info.json").is_file()):
+        raise ConfigError(
+            f"data.name={data.name}: not a dataset directory (no dataset_dict.json or state.json): "
+            "give a directory that datasets' save_to_disk wrote, or a hub dataset name"
+        )
 
 
 def _looks_like_path(name: str) -> bool:

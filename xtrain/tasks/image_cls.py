@@ -5,7 +5,6 @@ signature takes them and the model node does not set them. A transformers model 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from pathlib import Path
 
@@ -52,7 +51,7 @@ class ImageCls(Custom):
         """On the driver, before anything launches: the sources exist and the builder makes a module."""
         images.sources(self.cfg.data)
         if self.cfg.data.test:
-            images.sources(dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test)))
+            images.sources(self.cfg.data.test_files())
         self.on_meta()
 
     def identity(self) -> dict:
@@ -98,7 +97,7 @@ class ImageCls(Custom):
         """`data.test`'s images (every one a test example, classes mapped as the training data's), or None."""
         if not self.cfg.data.test:
             return None
-        test_data = dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test), test=[])
+        test_data = self.cfg.data.test_files()
         tested = images.prepare(test_data, self.cfg.task, prepared.meta["label_names"], test=True)
         return tested.splits([], self.cfg.trainer.seed)[1]
 

@@ -5,7 +5,6 @@ config naming the labels."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -59,7 +58,7 @@ class SeqCls(Custom):
 
         sources.check(self.cfg.data)
         if self.cfg.data.test:
-            sources.check(dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test)))
+            sources.check(self.cfg.data.test_files())
         pretrained.pretrained_config(self.cfg.model)
         labelled.check_unprepared(self.cfg.data, self.cfg.model, self.task)
 
@@ -120,7 +119,7 @@ class SeqCls(Custom):
         """`data.test`'s records (every one a test example, labels mapped as the training data's), or None."""
         if not self.cfg.data.test:
             return None
-        test_data = dataclasses.replace(self.cfg.data, files=list(self.cfg.data.test), test=[])
+        test_data = self.cfg.data.test_files()
         tested = labelled.prepare(test_data, self.cfg.model, self.task, prepared.meta["label_names"], test=True)
         return tested.splits(self.num_labels)[1]
 
