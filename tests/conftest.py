@@ -106,12 +106,14 @@ def run_xtrain(*overrides: str, check: bool = True, timeout: float = 600, env: d
     return proc
 
 
-def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = None,
-                      cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """`python -m xtrain ...` run by this process (the real CLI, `cli.main`, from the repository as a subprocess's
-    working directory), as a process started now: exit code, stdout and stderr as a subprocess's (an exception that
-    would end the process is its traceback and exit code 1). Afterwards this process is as it was: its environment,
-    Hydra, Accelerate's state, SLURM's partitions (read once per process)."""
+def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = None, cwd: Path = REPO,
+                      command: str = "xtrain") -> subprocess.CompletedProcess:
+    """`python -m xtrain ...` (or another `command`: `xtrain.eval`, `xtrain.status`, ...) run by this process (the
+    real command's `main`, from the repository as a subprocess's working directory), as a process started now: exit
+    code, stdout and stderr as a subprocess's (an exception that would end the process is its traceback and exit code
+    1). Afterwards this process is as it was: its environment, Hydra, Accelerate's state, SLURM's partitions (read
+    once per process)."""
+    import importlib
     import io
     import traceback
 
@@ -120,9 +122,10 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
 
     from xtrain.commands import cli
 
+    main = cli.main if command == "xtrain" else importlib.import_module(command).main
     argv, saved_env, hydra_state, was_in = sys.argv, dict(os.environ), Singleton.get_state(), os.getcwd()
     modules_before = set(sys.modules)
-    sys.argv = ["xtrain", *overrides]
+    sys.argv = [command, *overrides]
     os.environ.update({"XTRAIN_LAUNCH_TIME": str(time.time()), **(env or {})})  # its time to first step: its own
     os.chdir(cwd)
     _forget_slurm_partitions()  # read by this process's own tests too (compose_run)
@@ -130,7 +133,7 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                cli.main()
+                main()
             except SystemExit:
                 raise
             except BaseException:  # what the interpreter would print before exiting 1
@@ -148,8 +151,8 @@ def xtrain_in_process(*overrides: str, check: bool = True, env: dict | None = No
         _forget_the_run()
         _forget_modules_of(Path(cwd), set(sys.modules) - modules_before)
     if check and code != 0:
-        raise AssertionError(f"xtrain {' '.join(overrides)} exited {code}:\n{out.getvalue()}\n{err.getvalue()}")
-    return subprocess.CompletedProcess(["xtrain", *overrides], code, out.getvalue(), err.getvalue())
+        raise AssertionError(f"{command} {' '.join(overrides)} exited {code}:\n{out.getvalue()}\n{err.getvalue()}")
+    return subprocess.CompletedProcess([command, *overrides], code, out.getvalue(), err.getvalue())
 
 
 def _forget_the_run() -> None:

@@ -279,13 +279,13 @@ def test_a_preparation_killed_half_way_is_redone(tmp_path, cache):
 def test_prepare_ahead_then_the_run_starts_training_without_preparing(tmp_path, cache):
     write(tmp_path / "c.jsonl.gz", documents(2_000_000, seed=9))
     common = ["data=text", f"data.files=[{tmp_path}/c.jsonl.gz]"]
-    ahead = subprocess.run([sys.executable, "-m", "xtrain.prepare", *common], cwd=REPO, capture_output=True, text=True)
+    ahead = xtrain_in_process(*common, check=False, command="xtrain.prepare")
     assert ahead.returncode == 0 and PREPARING in ahead.stderr + ahead.stdout and "prepared:" in ahead.stdout
     run_dir = tmp_path / "run"
     out = run_lines(run_xtrain(f"run_dir={run_dir}", *common, *TINY))
     assert PREPARING not in out and "data: prepared on " in out and "earlier" in out
     assert read_result(run_dir)["status"] == "completed" and len(entries(cache)) == 1
-    again = subprocess.run([sys.executable, "-m", "xtrain.prepare", *common], cwd=REPO, capture_output=True, text=True)
+    again = xtrain_in_process(*common, check=False, command="xtrain.prepare")
     assert again.returncode == 0 and "already prepared:" in again.stdout
 
 

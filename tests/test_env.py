@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from importlib import metadata
 
+from conftest import xtrain_in_process
 from xtrain.config.schema import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
 from xtrain.core import machine
 from xtrain.launch import hardware
 
 
 def test_env_report():
-    out = subprocess.run([sys.executable, "-m", "xtrain.env"], capture_output=True, text=True, check=True).stdout
+    out = xtrain_in_process(command="xtrain.env").stdout
     rows = {line.split()[0]: line.split(None, 1)[1] for line in out.splitlines() if line.startswith("  ")}
     for package in ("torch", "accelerate", "deepspeed", "transformers", "hydra-core"):
         assert rows[package] == metadata.version(package)
@@ -28,7 +28,7 @@ def test_env_report():
         yes = "yes, likely slower than fp32: this CPU has no AMX units" if hardware.slow_precision(cfg) else "yes"
         assert rows[f"precision={precision.value}"] == (yes if reason is None else f"no: {reason.split(': ', 1)[1]}")
     assert rows["strategy=ddp"] == "yes" and rows["precision=fp32"] == "yes"
-    typo = subprocess.run([sys.executable, "-m", "xtrain.env", "--gpus"], capture_output=True, text=True)
+    typo = xtrain_in_process("--gpus", check=False, command="xtrain.env")
     assert typo.returncode == 2 and typo.stdout == "" and \
         typo.stderr == "xtrain.env: error: --gpus: it takes no arguments (python -m xtrain.env --help)\n"
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain
+from conftest import assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain, xtrain_in_process
 
 TRAIN = ["task=image_cls", "task.num_labels=10", "task.num_channels=1", "trainer.batch_size=32", "trainer.lr=3e-3",
          "trainer.warmup_steps=10", "data.val_fraction=0.15", "trainer.log_every=20"]
@@ -48,14 +48,12 @@ def resnet_run(folder, sevens, tmp_path_factory):
 
 
 def test_a_test_folder_is_evaluated_with_the_training_classes(resnet_run, sevens):
-    import subprocess
-    import sys
 
     result = read_result(resnet_run)
     assert result["model_test"]["step"] == 150 and result["test_accuracy"] >= 0.8
     predictions = resnet_run / "test_predictions.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(resnet_run), "split=test",
-                           f"predictions={predictions}"], capture_output=True, text=True)
+    proc = xtrain_in_process(str(resnet_run), "split=test", f"predictions={predictions}", check=False,
+                             command="xtrain.eval")
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in predictions.read_text().splitlines()]
     assert {row["target"] for row in rows} == {3, 7} and len(rows) == sum(1 for _ in sevens.rglob("*.png"))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import (assert_equal_weights, assert_one_line_error, example_project, read_metrics, read_result,
-                      run_xtrain, start_xtrain)
+                      run_xtrain, start_xtrain, xtrain_in_process)
 
 EXTRA = '''import json
 import os
@@ -152,9 +152,8 @@ def test_the_test_split_is_evaluated_on_the_kept_model_and_xtrain_eval_agrees(pr
     assert last["step"] == 60 and last["test/accuracy"] == result["test_accuracy"]
     predictions = tmp_path / "preds.jsonl"
     for split, expected in (("val", result["model_eval"]), ("test", result)):
-        proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(sgd_run), f"split={split}",
-                               f"predictions={predictions}"], capture_output=True, text=True, cwd=project)
-        assert proc.returncode == 0, proc.stderr
+        proc = xtrain_in_process(str(sgd_run), f"split={split}", f"predictions={predictions}", cwd=project,
+                                 command="xtrain.eval")
         record = json.loads((sgd_run / "eval.json").read_text())[split]
         assert record["step"] == result["model_step"]
         for name in ("loss", "accuracy", "auroc"):
@@ -168,9 +167,7 @@ def test_the_test_split_is_evaluated_on_the_kept_model_and_xtrain_eval_agrees(pr
 
 def test_xtrain_eval_on_two_processes_gives_one_processs_values_and_bad_input_is_one_line(project, sgd_run, tmp_path):
     one = json.loads((sgd_run / "eval.json").read_text())["val"] if (sgd_run / "eval.json").exists() else None
-    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(sgd_run), "num_processes=2"], capture_output=True,
-                          text=True, cwd=project)
-    assert proc.returncode == 0, proc.stderr
+    xtrain_in_process(str(sgd_run), "num_processes=2", cwd=project, command="xtrain.eval")
     two = json.loads((sgd_run / "eval.json").read_text())["val"]
     assert two["loss"] == pytest.approx(read_result(sgd_run)["model_eval"]["val_loss"], rel=1e-6)
     assert two["accuracy"] == read_result(sgd_run)["model_eval"]["val_accuracy"]
@@ -183,8 +180,7 @@ def test_xtrain_eval_on_two_processes_gives_one_processs_values_and_bad_input_is
                            ([str(sgd_run), "precision=bf16"], "precision=bf16: the run's precision is its settings "
                                                               "(name, fp8_backend, fp8_recipe, ...), not an option to "
                                                               "choose; set one of them, e.g. precision.name=...")):
-        bad = subprocess.run([sys.executable, "-m", "xtrain.eval", *args], capture_output=True, text=True, cwd=project)
-        assert_one_line_error(bad, expected)
+        assert_one_line_error(xtrain_in_process(*args, check=False, cwd=project, command="xtrain.eval"), expected)
 
 
 def test_callbacks_see_every_hook_and_one_that_stops_ends_every_rank_at_a_step_boundary(project, tmp_path):
@@ -375,8 +371,7 @@ def test_mistakes_outside_the_run_config_are_one_line(project, tmp_path):
     ]
     for args, expected in cases:
         assert_one_line_error(run_xtrain(*args, check=False, cwd=project), expected)
-    proc = subprocess.run([sys.executable, "-m", "xtrain.status", str(tmp_path / "missing")], capture_output=True,
-                          text=True)
+    proc = xtrain_in_process(str(tmp_path / "missing"), check=False, command="xtrain.status")
     assert proc.returncode == 2 and proc.stderr.strip() == f"xtrain.status: error: {tmp_path / 'missing'}: no such directory"
 
 
@@ -419,9 +414,7 @@ def test_a_language_model_with_code_of_your_own_records_where_it_is_imported_fro
 def test_a_language_models_predictions_are_its_answers_to_prompts(short_run, tmp_path):
     prompts, answers = tmp_path / "prompts.txt", tmp_path / "answers.jsonl"
     prompts.write_text("The function\nA list is\n")
-    proc = subprocess.run([sys.executable, "-m", "xtrain.eval", str(short_run), f"prompts={prompts}",
-                           f"predictions={answers}"], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    proc = xtrain_in_process(str(short_run), f"prompts={prompts}", f"predictions={answers}", command="xtrain.eval")
     assert proc.stdout.strip().splitlines()[-1] == f"answered 2 prompt(s): {answers}"
     rows = [json.loads(line) for line in answers.read_text().splitlines()]
     assert [(r["index"], r["prompt"]) for r in rows] == [(0, "The function"), (1, "A list is")]

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -194,11 +193,10 @@ def test_not_waiting_returns_at_once_and_status_follows_the_job(tmp_path):
     proc = run_xtrain(f"run_dir={run_dir}", *SLURM, *TINY, "cluster.wait=false")
     job = job_id(run_dir)
     assert f"submitted SLURM job {job}" in proc.stdout and "step 1 |" not in proc.stdout
-    status = [sys.executable, "-m", "xtrain.status", str(run_dir)]
-    first = subprocess.run(status, capture_output=True, text=True, check=True).stdout
+    first = xtrain_in_process(str(run_dir), command="xtrain.status").stdout
     assert f"slurm            job {job}:" in first
     sacct_state(job)
-    last = subprocess.run(status, capture_output=True, text=True, check=True).stdout
+    last = xtrain_in_process(str(run_dir), command="xtrain.status").stdout
     assert last.splitlines()[0] == f"run {run_dir}: completed, step 6 of 6"
     assert f"slurm            job {job}: COMPLETED" in last and "val_loss" in last
 
@@ -286,10 +284,9 @@ def test_status_of_a_sweep_that_was_not_waited_for(tmp_path):
     sweep_dir = tmp_path / "sweep"
     run_xtrain("-m", f"run_dir={sweep_dir}", *SLURM, "cluster.wait=false", "trainer.seed=1,2", *TINY)
     jobs = [job_id(p) for p in sorted(sweep_dir.glob("[0-9]_*"))]
-    status = [sys.executable, "-m", "xtrain.status", str(sweep_dir)]
     for job in jobs:
         sacct_state(job)
-    out = subprocess.run(status, capture_output=True, text=True, check=True).stdout
+    out = xtrain_in_process(str(sweep_dir), command="xtrain.status").stdout
     rows = [line.split() for line in out.splitlines()[1:3]]
     assert [r[:3] for r in rows] == [["0_seed=1", "1", "completed"], ["1_seed=2", "2", "completed"]]
     assert [r[-3:] for r in rows] == [["job", f"{job}:", "COMPLETED"] for job in jobs]

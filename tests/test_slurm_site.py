@@ -90,7 +90,7 @@ def test_the_controller_going_away_mid_job_leaves_it_followed_to_its_end(tmp_pat
     wait_for_step(run_dir, 2, proc)
     slurm_cluster.stop("slurmctld")
     try:
-        status = subprocess.run([sys.executable, "-m", "xtrain.status", str(run_dir)], capture_output=True, text=True)
+        status = xtrain_in_process(str(run_dir), check=False, command="xtrain.status")
         assert status.returncode == 0 and f"job {job_id(run_dir)}: unknown: SLURM does not answer" in status.stdout
         late = run_xtrain(f"run_dir={refused}", *SLURM, *TINY, check=False)
         assert_one_line_error(late, "cluster=slurm: `sinfo -h` failed")

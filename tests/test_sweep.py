@@ -83,15 +83,12 @@ def test_the_picture_is_a_real_png_with_curves_and_a_heatmap(grid):
 def test_status_prints_a_sweep_and_a_run(grid, tmp_path):
     sweep_dir, _ = grid
     (sweep_dir / "sweep.csv").unlink()
-    proc = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
-                          cwd=REPO, check=True)
+    proc = xtrain_in_process(str(sweep_dir), command="xtrain.status")
     assert "trainer.batch_size" in proc.stdout.splitlines()[0] and proc.stdout.count("completed") == 4
     assert "best: " in proc.stdout and (sweep_dir / "sweep.csv").exists()  # regenerated
-    one = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir / "0_batch_size=4,grad_accum=1")],
-                         capture_output=True, text=True, cwd=REPO, check=True)
+    one = xtrain_in_process(str(sweep_dir / "0_batch_size=4,grad_accum=1"), command="xtrain.status")
     assert "completed, step 6 of 6" in one.stdout and "val_loss" in one.stdout
-    bad = subprocess.run([sys.executable, "-m", "xtrain.status", str(tmp_path)],
-                         capture_output=True, text=True, cwd=REPO)
+    bad = xtrain_in_process(str(tmp_path), check=False, command="xtrain.status")
     assert bad.returncode == 2 and "neither a run dir" in bad.stderr
 
 
@@ -171,8 +168,7 @@ def test_a_killed_sweep_resumes_to_the_unbroken_sweeps_weights(tmp_path):
     proc.wait()
     first = broken / "0_batch_size=4"
     before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
-    killed = subprocess.run([sys.executable, "-m", "xtrain.status", str(broken)], capture_output=True, text=True,
-                            cwd=REPO, check=True).stdout
+    killed = xtrain_in_process(str(broken), command="xtrain.status").stdout
     assert "pending" in killed and "completed" in killed  # point 2 never started, point 0 done
 
     # a changed setting is refused, and so is a new start over the sweep

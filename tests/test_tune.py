@@ -89,8 +89,7 @@ def test_the_study_marks_the_best_trial_and_draws_its_pictures(pruned_study):
                  "intermediate_values.png"):
         image = matplotlib.image.imread(sweep_dir / name)
         assert image.shape[0] > 300 and image.shape[1] > 500 and image.std() > 0.01, name
-    status = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
-                            cwd=REPO, check=True).stdout
+    status = xtrain_in_process(str(sweep_dir), command="xtrain.status").stdout
     assert "study lr: 8 of 8 trials asked" in status and f"best: {best}" in status
 
 
@@ -139,8 +138,7 @@ def test_a_killed_study_continues_its_running_trial_from_its_checkpoint(tmp_path
     [second] = sweep_dir.glob("1_*")
     assert read_result(second)["status"] == "running"
     assert [t.state.name for t in study_trials(sweep_dir)] == ["COMPLETE", "RUNNING"]
-    status = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
-                            cwd=REPO, check=True).stdout
+    status = xtrain_in_process(str(sweep_dir), command="xtrain.status").stdout
     assert "study killed: 2 of 3 trials asked (1 complete, 1 running)" in status
 
     run_xtrain(*args, "resume=auto")

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, assert_equal_weights, assert_one_line_error, read_result, run_xtrain, start_xtrain
+from conftest import (assert_equal_weights, assert_one_line_error, read_result, run_xtrain, start_xtrain,
+                      xtrain_in_process)
 from test_slurm import SLURM, sacct_state
 from test_slurm_requeue import LONG, every_step_once
 from test_tune import STUDY, point_dirs, study_trials
@@ -73,8 +73,7 @@ def test_a_study_of_two_slurm_workers_survives_a_requeue_mid_trial(tmp_path):
     summary = (sweep_dir / "summary.md").read_text()
     assert "4 points: 4 completed" in summary and "(best)" in summary
     assert all((sweep_dir / name).stat().st_size > 10_000 for name in ("history.png", "slice.png"))
-    status = subprocess.run([sys.executable, "-m", "xtrain.status", str(sweep_dir)], capture_output=True, text=True,
-                            cwd=REPO, check=True).stdout
+    status = xtrain_in_process(str(sweep_dir), command="xtrain.status").stdout
     assert re.search(r"^worker 1: job \d+_1: COMPLETED, trial \d$", status, re.M), status
     assert "study study: 4 of 4 trials asked (4 complete)" in status
 
