@@ -18,6 +18,7 @@ def test_env_report():
         assert rows[package] == metadata.version(package)
     assert rows["python"] == ".".join(map(str, sys.version_info[:3]))
     assert rows["cpu"].startswith(f"{__import__('os').cpu_count()} cores")
+    assert rows["cpu"].endswith(", matrix units AMX (bf16)") is ("amx_bf16" in (machine.cpu_flags() or ()))
     assert rows["memory"] == f"{machine.ram_bytes() / 1e9:.2f} GB RAM (what a run on the CPU plans against)"
     for strategy in Strategy:  # the report says what preflight would say
         reason = hardware.refusal(RunConfig(strategy=StrategyConfig(name=strategy)))

@@ -29,8 +29,9 @@ def version(package: str) -> str:
 def devices() -> list[tuple[str, str]]:
     import torch
 
+    matrix = ", matrix units AMX (bf16)" if "amx_bf16" in (machine.cpu_flags() or ()) else ""
     rows = [("cpu", f"{os.cpu_count()} cores, {platform.machine()}, "
-                    f"vector units {torch.backends.cpu.get_cpu_capability()}"),
+                    f"vector units {torch.backends.cpu.get_cpu_capability()}{matrix}"),
             ("memory", f"{machine.ram_bytes() / 1e9:.2f} GB RAM (what a run on the CPU plans against)")]
     if not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
