@@ -42,6 +42,19 @@ def every_step_once(run_dir: Path, max_steps: int, log_every: int = 1) -> bool:
     return logged_steps == list(range(log_every, max_steps + 1, log_every))
 
 
+def wait_until_running(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the run's job holds its allocation (SLURM's state RUNNING)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (run_dir / "slurm.json").exists():
+            state = subprocess.run(["squeue", "-h", "-j", job_id(run_dir), "-o", "%T"], capture_output=True, text=True)
+            if state.stdout.strip() == "RUNNING":
+                return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"{run_dir}: its job never ran")
+
+
 def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continues_bitwise(tmp_path,
                                                                                           two_processes_unbroken):
     """Two 2-node jobs, one CPU of each node each. The first, stopped by a warning, requeues itself onto both nodes and
@@ -55,14 +68,19 @@ def test_a_warning_signal_stops_a_two_node_job_which_requeues_itself_and_continu
     run_dir, fewer = tmp_path / "run", tmp_path / "fewer"
     proc = start_xtrain(f"run_dir={run_dir}", *args, "tracker=tensorboard")
     moving = start_xtrain(f"run_dir={fewer}", *args, "cluster.min_nodes=1")
-    wait_for_step(run_dir, 12, proc)
-    wait_for_step(fewer, 12, moving)
-    assert read_result(fewer)["hosts"] == ["n1", "n2"]  # the second's first allocation: both nodes
+    for started, process in ((run_dir, proc), (fewer, moving)):
+        wait_until_running(started, process)
     job = job_id(run_dir)
+    # n2 drained once both jobs hold it: each is stopped as soon as it is at step 12 (their starts differ by up to
+    # 10 s under load, the time the first takes to its end)
     subprocess.run(["scontrol", "update", "nodename=n2", "state=drain", "reason=xtrain-test"], check=True)
+    warn = ["scancel", "--signal=USR2"]  # what SLURM sends before the time limit
     try:  # (the first job's requeue waits for n2 until the second has started again on n1)
-        for stopped in (job, job_id(fewer)):
-            subprocess.run(["scancel", "--signal=USR2", stopped], check=True)  # what SLURM sends before the time limit
+        wait_for_step(run_dir, 12, proc)
+        subprocess.run([*warn, job], check=True)
+        wait_for_step(fewer, 12, moving)
+        assert read_result(fewer)["hosts"] == ["n1", "n2"]  # the second's first allocation: both nodes
+        subprocess.run([*warn, job_id(fewer)], check=True)
         deadline = time.time() + 120
         while not read_result(fewer).get("restarts") and time.time() < deadline:
             time.sleep(0.5)
