@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import assert_one_line_error, example_project, read_metrics, read_result, run_xtrain
+from conftest import SHORT, assert_one_line_error, example_project, read_metrics, read_result, run_xtrain
 
 AUROC = "{_target_: torchmetrics.classification.BinaryAUROC, name: auroc}"
 
@@ -395,3 +395,52 @@ def test_qlora_counts_its_4bit_base_at_half_a_byte_a_weight():
     memory = estimate.model_state_memory(n, compose_run(), trained, quantized)
     assert memory.params == 4 * (n - quantized) + 0.5 * quantized  # fp32 under DDP, 4 bits where quantized
     assert (memory.grads, memory.optimizer) == (4 * trained, 8 * trained)
+
+
+STEP_LOSSES = '''import json
+
+
+class StepLosses:
+    """Each step's loss as callbacks get it, in <run dir>/step_losses.jsonl."""
+
+    def on_train_batch_end(self, state, loss):
+        with open(state.run_dir / "step_losses.jsonl", "a") as f:
+            f.write(json.dumps([state.step, loss]) + "\\n")
+'''
+
+
+def test_one_process_reads_its_losses_where_they_are_used_and_each_is_its_steps(tmp_path, monkeypatch):
+    """One process keeps each step's loss on the device and reads those of the steps since the last read together,
+    where a log line, eval or checkpoint needs them (on a GPU, no wait for the device between them). The logged
+    losses are bitwise those of a run that reads every step's loss at once (a callback takes each); a diverged loss is
+    named by its own step all the same."""
+    from xtrain.engine import loop
+
+    (tmp_path / "steplosses.py").write_text(STEP_LOSSES)
+    callback = "trainer.callbacks=[{_target_: steplosses.StepLosses}]"
+    reads, read_losses = [], loop.read_losses
+    monkeypatch.setattr(loop, "read_losses", lambda unread, *args: (reads.append([s for s, _ in unread]),
+                                                                     read_losses(unread, *args))[1])
+    runs = {}
+    for name, extra in (("deferred", []), ("each_step", [callback])):
+        reads.clear()
+        runs[name] = tmp_path / name
+        run_xtrain(f"run_dir={runs[name]}", *SHORT, *extra, cwd=tmp_path)  # logs at 4, 8, 12; evals, saves at 6, 12
+        runs[name + "_reads"] = list(reads)
+    assert runs["deferred_reads"] == [[1], [2, 3, 4], [5, 6], [7, 8], [9, 10, 11, 12]]
+    assert runs["each_step_reads"] == [[step] for step in range(1, 13)]
+    logged = {name: [(r["step"], r["train/loss"]) for r in read_metrics(runs[name]) if "train/loss" in r]
+              for name in ("deferred", "each_step")}
+    assert logged["deferred"] == logged["each_step"] and [step for step, _ in logged["deferred"]] == [4, 8, 12]
+    per_step = [json.loads(line)[1] for line in (runs["each_step"] / "step_losses.jsonl").read_text().splitlines()]
+    assert [loss for _, loss in logged["deferred"]] == pytest.approx(
+        [sum(per_step[:4]) / 4, sum(per_step[4:8]) / 4, sum(per_step[8:]) / 4], rel=1e-12)
+
+    errors = {}
+    for name, extra in (("deferred", []), ("each_step", [callback])):
+        run_dir = tmp_path / f"diverged_{name}"
+        proc = run_xtrain(f"run_dir={run_dir}", *SHORT, "trainer.lr=1e6", "trainer.max_grad_norm=0", *extra,
+                          check=False, cwd=tmp_path)
+        assert proc.returncode == 1 and read_result(run_dir)["status"] == "failed"
+        errors[name] = read_result(run_dir)["error"]
+    assert errors["deferred"] == errors["each_step"] and "the loss is nan" in errors["deferred"]

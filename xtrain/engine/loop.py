@@ -36,7 +36,7 @@ from xtrain.engine.components import build_components
 from xtrain.engine.monitor import EARLY_STOP, Monitor
 from xtrain.engine.optim import set_hyperparameters
 from xtrain.engine.speed import measure_speed
-from xtrain.engine.update import agree_on_step, optimizer_step
+from xtrain.engine.update import agree_on_step, optimizer_step, read_losses
 from xtrain.tasks.facts import model_facts
 from xtrain.tasks.registry import task_for
 
@@ -58,6 +58,7 @@ class Progress:
     skipped: int  # optimizer steps the fp16 loss scaler skipped
     window: reporting.Window = field(default_factory=reporting.Window)
     last_finite: tuple[int, float] | None = None
+    unread: list = field(default_factory=list)  # (step, loss) of steps whose loss is still on the device
     pruned: bool = False  # a study's pruner asked this trial to stop
     best: dict = field(default_factory=dict)  # best_val_<metric> so far (travels in checkpoints)
     monitor: Monitor | None = None  # trainer.monitor's best so far (travels in checkpoints)
@@ -227,11 +228,15 @@ class Run:
         began = time.perf_counter()
         loss_sum, count, lr = optimizer_step(accelerator, self.c, batches, t.grad_accum, t.max_grad_norm)
         p.step += 1
-        loss, per_step, signal = agree_on_step(accelerator, loss_sum, count, p, t)
-        p.window.train_s += time.perf_counter() - began  # (agree_on_step waited for the step: its loss is read)
-        p.last_finite = (p.step, loss)
+        loss_sum, per_step, signal = agree_on_step(accelerator, loss_sum, count)
+        p.unread.append((p.step, loss_sum))
+        if self.loss_read_due(signal):
+            for step, loss in read_losses(p.unread, p.last_finite, t):
+                p.window.loss_sum += loss
+                p.last_finite = (step, loss)
+            p.unread.clear()
+        p.window.train_s += time.perf_counter() - began  # (a read waited for the steps: their time is in)
         p.skipped += accelerator.optimizer_step_was_skipped
-        p.window.loss_sum += loss
         p.window.steps += 1
         p.window.count += per_step
         p.window.lr = lr
@@ -240,6 +245,16 @@ class Run:
             reporting.note_first_step(self.result, self.process_start)
         self.result["steps"], self.result["skipped_steps"] = p.step, p.skipped
         return signal
+
+    def loss_read_due(self, signal: bool) -> bool:
+        """Whether this step reads its loss and those of the steps before it (one process keeps them on the
+        device): where a log line, eval or checkpoint needs them (a diverged loss is caught at the first of these),
+        at a stop, at this attempt's first step (its time to the first step is the step done) and its last, at every
+        step where callbacks take each step's loss or several ranks read it anyway."""
+        t, step = self.cfg.trainer, self.progress.step
+        return (signal or self.c.callbacks.any or self.accelerator.num_processes > 1
+                or step in (self.start_step + 1, t.max_steps)
+                or any(step % every == 0 for every in (t.log_every, t.eval_every, t.save_every)))
 
     def log_eval_save(self) -> bool:
         """This step's log line, eval and checkpoint, where due; True if a checkpoint was saved."""

@@ -56,23 +56,36 @@ def per_micro_batch(accelerator: Accelerator, task: Task, micro: list):
     return (total / len(micro)).float()
 
 
-def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int, progress,
-                  trainer: TrainerConfig) -> tuple[float, int, bool]:
-    """One all-reduce after each step (where there are several ranks): its mean loss over micro-batches and ranks,
-    the units every rank trained on, and whether any rank was asked to stop. A NaN or infinite loss stops the run at
-    once, on every rank alike (all see the mean). `progress`: the loop's counters, at this step."""
-    grad_accum, step, last_finite = trainer.grad_accum, progress.step, progress.last_finite
-    asked = float(stopping.requested() is not None)
-    if accelerator.num_processes == 1:  # nothing to agree on: no collective, one read of the loss
-        mean_loss_sum, stop, mean_count = loss_sum.item(), asked, count
-    else:
-        own = torch.stack([loss_sum.float(), *torch.tensor([asked, float(count)], device=loss_sum.device)])
-        mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
-    loss = mean_loss_sum / grad_accum
-    if not math.isfinite(loss):
-        before = f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite else "the first step"
-        raise Diverged(
-            f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
-            f"(now {trainer.lr:g}) or raise trainer.warmup_steps (now {trainer.warmup_steps})"
-        )
-    return loss, round(mean_count * mesh.data_parallel_size(accelerator)), stop > 0
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor,
+                  count: int) -> tuple[torch.Tensor | float, int, bool]:
+    """After each step: its loss summed over micro-batches (every rank's mean), the units every rank trained on,
+    and whether any rank was asked to stop. Several ranks agree in one all-reduce, read at once (each must know
+    whether to stop). One process reads nothing: its loss stays on the device for `read_losses`, since a read waits
+    for the device to finish the step, which then idles until the host has issued the next one."""
+    asked = stopping.requested() is not None
+    if accelerator.num_processes == 1:
+        return loss_sum, count, asked
+    own = torch.stack([loss_sum.float(), *torch.tensor([float(asked), float(count)], device=loss_sum.device)])
+    mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
+    return mean_loss_sum, round(mean_count * mesh.data_parallel_size(accelerator)), stop > 0
+
+
+def read_losses(unread: list[tuple[int, torch.Tensor | float]], last_finite: tuple[int, float] | None,
+                trainer: TrainerConfig) -> list[tuple[int, float]]:
+    """The steps' losses (`agree_on_step`'s sums, over `trainer.grad_accum`) in one read, in step order. A NaN or
+    infinite one ends the run, naming its step and the last finite loss before it (`last_finite`)."""
+    on_device = [value for _, value in unread if torch.is_tensor(value)]
+    read = iter(torch.stack(on_device).tolist() if on_device else [])
+    losses = []
+    for step, value in unread:
+        loss = (next(read) if torch.is_tensor(value) else value) / trainer.grad_accum
+        if not math.isfinite(loss):
+            before = (f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite
+                      else "the first step")
+            raise Diverged(
+                f"step {step}: the loss is {loss} ({before}); training diverged: lower trainer.lr "
+                f"(now {trainer.lr:g}) or raise trainer.warmup_steps (now {trainer.warmup_steps})"
+            )
+        losses.append((step, loss))
+        last_finite = (step, loss)
+    return losses
