@@ -110,7 +110,7 @@ def test_the_blocks_share_their_compiled_code_at_any_depth(tmp_path):
     training's grad mode). A cache passed through the blocks compiled once per block, and past dynamo's 8 the
     rest ran eager without a word."""
     proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "trainer.compile=true", "model.num_layers=10",
-                      "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.eval_every=2", "trainer.save_every=2",
+                      "trainer.batch_size=4", "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.eval_every=2", "trainer.save_every=2",
                       env={"TORCH_LOGS": "recompiles"})
     recompiles = proc.stderr.count("Recompiling function")
     assert 1 <= recompiles <= 3 and "recompile_limit" not in proc.stderr, proc.stderr[-3000:]
