@@ -117,12 +117,18 @@ def test_two_jobs_keep_two_trials_running_until_the_last_is_asked(tmp_path):
         spans.append((start, start + result["wall_time_s"]))
     spans.sort()
     assert len(spans) == 5
-    # at most two at once, and each of the 3 trials after the first two started as soon as a slot was free
+    # At most two at once, and each of the 3 trials after the first two started as soon as a slot was free and
+    # the driver, which starts its trials one at a time, had started the one before it. Its wait is judged
+    # against a trial's length, which a loaded machine stretches alike (measured: 1.2-2.5 s waits for 15-26 s
+    # trials, 3.3 s after the slot freed where two slots freed together); a driver that waits for every running
+    # trial leaves a slot empty for about a trial's length.
+    shortest = min(end - start for start, end in spans)
     for i, (start, _) in enumerate(spans[2:], 2):
         running = [s for s in spans[:i] if s[1] > start + 0.5]
         assert len(running) <= 1, spans
         freed = sorted(end for _, end in spans[:i])[i - 2]  # the slot this one took
-        assert start - freed < 3.0, f"trial {i} started {start - freed:.2f} s after a slot was free"
+        ready = max(freed, spans[i - 1][0])
+        assert start - ready < 0.25 * shortest, f"trial {i} started {start - ready:.2f} s after it could ({spans})"
 
 
 def test_a_killed_study_continues_its_running_trial_from_its_checkpoint(tmp_path):
