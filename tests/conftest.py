@@ -43,6 +43,12 @@ SHORT = ["trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4"
          "trainer.save_every=6"]
 
 
+# The runs a test stops, kills or requeues mid-run, where what the model learns is not the point: the default model
+# at a quarter of its width with one layer (a tenth of its CPU a step); PACED: each step also lasts 0.25 s or more,
+# asleep (tests/pacing.py, imported from the repository), so that a signal sent at one step lands long before the last.
+SMALL = ["model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=128", "model.num_heads=2"]
+PACED = [*SMALL, "trainer.callbacks=[{_target_: tests.pacing.Pace, seconds: 0.25}]"]
+
 # Two processes with gradient accumulation: the run every sharded strategy is compared with DDP on.
 SHARDED = ["cluster.num_processes=2", "trainer.batch_size=4", "trainer.grad_accum=2", "trainer.max_steps=20",
            "trainer.warmup_steps=4", "trainer.log_every=2", "trainer.eval_every=10", "trainer.save_every=10"]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (REPO, assert_equal_weights, assert_one_line_error, compose_run, kill_after_checkpoint, logged,
-                      read_result, run_xtrain, start_xtrain, xtrain_in_process)
+from conftest import (PACED, REPO, SMALL, assert_equal_weights, assert_one_line_error, compose_run,
+                      kill_after_checkpoint, logged, read_result, run_xtrain, start_xtrain, xtrain_in_process)
 from corpus import documents, write
 
 FORMATS = [".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet", ".csv", ".txt"]
@@ -294,10 +294,10 @@ def test_kill_9_mid_training_on_a_prepared_jsonl_corpus_resumes_bitwise(tmp_path
     common = ["data=text", f"data.files=[{tmp_path}/c.jsonl]", "trainer.max_steps=24", "trainer.save_every=8",
               "trainer.eval_every=8", "trainer.log_every=4", "trainer.warmup_steps=2", "trainer.batch_size=8"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    run_xtrain(f"run_dir={whole}", *common)
-    proc = start_xtrain(f"run_dir={killed}", *common, quiet=True)
+    run_xtrain(f"run_dir={whole}", *common, *SMALL)
+    proc = start_xtrain(f"run_dir={killed}", *common, *PACED, quiet=True)  # (its steps' sleeps change no number)
     kill_after_checkpoint(proc, killed / "checkpoints" / "step_00000008")
-    run_xtrain(f"run_dir={killed}", *common, "resume=auto")
+    run_xtrain(f"run_dir={killed}", *common, *PACED, "resume=auto")
     assert read_result(killed)["status"] == "completed"
     assert_equal_weights(whole, killed)
     assert logged(killed) == logged(whole)

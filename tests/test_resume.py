@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_equal_weights, assert_one_line_error, compose_run, kill_after_checkpoint, logged,
-                      model_weights, read_metrics, read_result, run_xtrain, start_xtrain, xtrain_in_process)
+from conftest import (PACED, SMALL, assert_equal_weights, assert_one_line_error, compose_run, kill_after_checkpoint,
+                      logged, model_weights, read_metrics, read_result, run_xtrain, start_xtrain, xtrain_in_process)
 from test_errors import snapshot
 
 # 40 optimizer steps x 2 micro-batches of 16 = 80 micro-batches: crosses the first epoch (955 blocks / 16 = 59 batches).
@@ -19,16 +19,18 @@ RUN = ["trainer.max_steps=40", "trainer.grad_accum=2", "trainer.save_every=10", 
 
 
 def test_sigkill_then_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
-    """With dropout, bitwise equality needs both the data order and every RNG restored."""
-    overrides = [*RUN, "model.dropout=0.1"]
+    """With dropout, bitwise equality needs both the data order and every RNG restored. (The killed run is paced: its
+    steps' sleeps change no number.)"""
+    overrides = [*RUN, *SMALL, "model.dropout=0.1"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run_xtrain(f"run_dir={whole}", *overrides)
 
-    proc = start_xtrain(f"run_dir={killed}", *overrides, quiet=True)
+    paced = [*RUN, *PACED, "model.dropout=0.1"]
+    proc = start_xtrain(f"run_dir={killed}", *paced, quiet=True)
     kill_after_checkpoint(proc, killed / "checkpoints" / "step_00000020")
     assert read_result(killed)["status"] == "running"  # what a killed run leaves
     last_logged = max(r["step"] for r in read_metrics(killed))
-    run_xtrain(f"run_dir={killed}", *overrides, "resume=auto")
+    run_xtrain(f"run_dir={killed}", *paced, "resume=auto")
 
     result = read_result(killed)
     assert result["status"] == "completed" and result["resumed_from"].endswith("step_00000020")

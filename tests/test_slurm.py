@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FAIL_ON_RANK_1, SHARDED, assert_one_line_error, read_metrics, read_result, run_xtrain, start_xtrain,
-                      train_losses, xtrain_in_process)
+from conftest import (FAIL_ON_RANK_1, PACED, SHARDED, assert_one_line_error, read_metrics, read_result, run_xtrain,
+                      start_xtrain, train_losses, xtrain_in_process)
 from corpus import documents, write
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -164,7 +164,7 @@ def test_a_failing_rank_fails_the_command_with_its_own_error(tmp_path):
 
 def test_scancel_from_outside_says_cancelled(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, "trainer.max_steps=300", "trainer.log_every=1")
+    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *PACED, "trainer.max_steps=300", "trainer.log_every=1")
     wait_for_step(run_dir, 2, proc)
     subprocess.run(["scancel", job_id(run_dir)], check=True)
     _, err = proc.communicate(timeout=60)
@@ -176,7 +176,7 @@ def test_scancel_from_outside_says_cancelled(tmp_path):
 
 def test_ctrl_c_while_waiting_cancels_the_job(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, "trainer.max_steps=300", "trainer.log_every=1")
+    proc = start_xtrain(f"run_dir={run_dir}", *SLURM, *PACED, "trainer.max_steps=300", "trainer.log_every=1")
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_equal_weights, finished, logged, read_metrics, read_result, run_xtrain, start_xtrain, wandb_history
+from conftest import (PACED, SMALL, assert_equal_weights, finished, logged, read_metrics, read_result, run_xtrain,
+                      start_xtrain, wandb_history)
 from test_slurm import SLURM, job_id, sacct_state, sweep_rows, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
-# 40 steps, a row every step, periodic checkpoints every 5: long enough to be stopped in the middle.
+# 40 steps of at least 0.25 s, a row every step, periodic checkpoints every 5: long enough to be stopped in the middle.
 LONG = ["trainer.max_steps=40", "trainer.warmup_steps=4", "trainer.log_every=1", "trainer.eval_every=10",
-        "trainer.save_every=5", "trainer.batch_size=4"]
+        "trainer.save_every=5", "trainer.batch_size=4", *PACED]
 TWO_PROCESSES = [*LONG, "cluster.num_processes=2"]
 
 
@@ -153,7 +154,7 @@ def test_a_run_longer_than_its_time_limit_finishes_across_allocations_in_one_wan
     (project / "pace.py").write_text("import time\n\n\nclass HalfASecondAStep:\n"
                                      "    def on_train_batch_end(self, state, loss):\n        time.sleep(0.5)\n")
     run = ["trainer.max_steps=130", "trainer.warmup_steps=10", "trainer.log_every=5", "trainer.eval_every=65",
-           "trainer.save_every=65", "trainer.batch_size=8", "tracker=wandb"]
+           "trainer.save_every=65", "trainer.batch_size=8", "tracker=wandb", *SMALL]
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
     # the reference, alongside: a one-node job of one process takes one CPU of a node's two
     reference = start_xtrain(f"run_dir={unbroken}", *SLURM, *run, env=home, quiet=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, assert_equal_weights, assert_one_line_error, finished, read_result, run_xtrain, start_xtrain,
-                      xtrain_in_process)
+from conftest import (PACED, REPO, assert_equal_weights, assert_one_line_error, finished, read_result, run_xtrain,
+                      start_xtrain, xtrain_in_process)
 from test_slurm import ALL_CPUS, SLURM, TINY, job_id, sacct_state, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -81,7 +81,7 @@ def test_the_controller_going_away_mid_job_leaves_it_followed_to_its_end(tmp_pat
     xtrain.status says unknown, a new submission is refused in one line; the job is followed to COMPLETED once the
     controller is back, bitwise as unbroken."""
     args = [*SLURM, "trainer.max_steps=40", "trainer.log_every=2", "trainer.eval_every=20", "trainer.save_every=20",
-            "trainer.batch_size=8"]
+            "trainer.batch_size=8", *PACED]
     unbroken, run_dir, refused = tmp_path / "unbroken", tmp_path / "run", tmp_path / "refused"
     # the reference, alongside: the same run here on one CPU thread, as the job's
     reference = start_xtrain(f"run_dir={unbroken}", *[a for a in args if not a.startswith("cluster")],
@@ -118,7 +118,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_newest_checkpoint_b
     Once n2 is back (its frozen processes gone, as after a reboot) the job resumes from its newest checkpoint and
     ends bitwise equal to the unbroken run, its result.json counting the restart and the steps lost."""
     args = [*SLURM, "cluster.nodes=2", "cluster.num_processes=1", "trainer.max_steps=60", "trainer.log_every=1",
-            "trainer.eval_every=30", "trainer.save_every=10", "trainer.batch_size=4"]
+            "trainer.eval_every=30", "trainer.save_every=10", "trainer.batch_size=4", *PACED]
     unbroken, run_dir = tmp_path / "unbroken", tmp_path / "run"
     # the reference, alongside, here (a job would be lost with n2): 2 processes of one CPU thread each, as the job's
     reference = start_xtrain(f"run_dir={unbroken}", *[a for a in args if not a.startswith("cluster")],

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARDED, assert_equal_weights, logged, read_metrics, read_result, run_xtrain, start_xtrain, wandb_history
+from conftest import (PACED, SHARDED, SMALL, assert_equal_weights, logged, read_metrics, read_result, run_xtrain,
+                      start_xtrain, wandb_history)
 
 ONE = ["trainer.max_steps=30", "trainer.warmup_steps=3", "trainer.log_every=2", "trainer.eval_every=10",
        "trainer.save_every=10", "trainer.batch_size=8"]
@@ -49,12 +50,12 @@ def assert_stopped_at_a_step_boundary(proc: subprocess.Popen, stderr: str, run_d
 def test_sigterm_stops_a_run_at_a_step_boundary_and_it_continues_bitwise_in_one_wandb_run(tmp_path):
     home = {"HOME": str(tmp_path / "home")}
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    run_xtrain(f"run_dir={whole}", *ONE, env=home)
+    run_xtrain(f"run_dir={whole}", *ONE, *SMALL, env=home)
 
-    proc = start_xtrain(f"run_dir={stopped}", *ONE, "tracker=wandb", env=home)
+    proc = start_xtrain(f"run_dir={stopped}", *ONE, *PACED, "tracker=wandb", env=home)
     _, stderr = signal_at_step(proc, stopped, 12, signal.SIGTERM)
     step = assert_stopped_at_a_step_boundary(proc, stderr, stopped, "SIGTERM")
-    run_xtrain(f"run_dir={stopped}", *ONE, "tracker=wandb", "resume=auto", env=home)
+    run_xtrain(f"run_dir={stopped}", *ONE, *PACED, "tracker=wandb", "resume=auto", env=home)
 
     result = read_result(stopped)
     assert result["status"] == "completed" and result["resumed_from"].endswith(f"step_{step:08d}")

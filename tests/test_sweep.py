@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (REPO, assert_equal_weights, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain,
-                      start_xtrain, xtrain_in_process)
+from conftest import (PACED, REPO, SMALL, assert_equal_weights, assert_one_line_error, compose_run, read_metrics,
+                      read_result, run_xtrain, start_xtrain, xtrain_in_process)
 
 # Small points: a few seconds each, in the driver.
 TINY = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2", "trainer.eval_every=3",
@@ -157,8 +157,9 @@ RESUMABLE = ["trainer.batch_size=4,8,16", "trainer.max_steps=12", "trainer.warmu
 
 def test_a_killed_sweep_resumes_to_the_unbroken_sweeps_weights(tmp_path):
     unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
-    sweep(unbroken, *RESUMABLE)
-    proc = subprocess.Popen([sys.executable, "-m", "xtrain", "-m", f"run_dir={broken}", *RESUMABLE], cwd=REPO,
+    sweep(unbroken, *RESUMABLE, *SMALL)
+    paced = [*RESUMABLE, *PACED]  # (its steps' sleeps change no number)
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", "-m", f"run_dir={broken}", *paced], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     middle = broken / "1_batch_size=8" / "checkpoints" / "step_00000004" / "xtrain_state.json"
     deadline = time.time() + 300
@@ -172,12 +173,12 @@ def test_a_killed_sweep_resumes_to_the_unbroken_sweeps_weights(tmp_path):
     assert "pending" in killed and "completed" in killed  # point 2 never started, point 0 done
 
     # a changed setting is refused, and so is a new start over the sweep
-    assert_one_line_error(xtrain_in_process("-m", f"run_dir={broken}", *RESUMABLE, "trainer.lr=1e-3", "resume=auto",
+    assert_one_line_error(xtrain_in_process("-m", f"run_dir={broken}", *paced, "trainer.lr=1e-3", "resume=auto",
                                             check=False),
                           "point 0 (trainer.batch_size=4): run_dir=", "holds a run with other settings", "trainer.lr")
-    assert_one_line_error(xtrain_in_process("-m", f"run_dir={broken}", *RESUMABLE, check=False), "already holds a run")
+    assert_one_line_error(xtrain_in_process("-m", f"run_dir={broken}", *paced, check=False), "already holds a run")
 
-    resumed = sweep(broken, *RESUMABLE, "resume=auto")
+    resumed = sweep(broken, *paced, "resume=auto")
     assert "2 to run" in resumed.stdout
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before  # the finished point is untouched
     assert read_result(broken / "1_batch_size=8")["resumed_from"] is not None

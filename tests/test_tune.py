@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (REPO, assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain,
-                      xtrain_in_process)
+from conftest import (PACED, REPO, SMALL, assert_equal_weights, assert_one_line_error, read_metrics, read_result,
+                      run_xtrain, xtrain_in_process)
 
 STUDY = ["hydra/sweeper=xtrain_optuna", "hydra.sweeper.seed=0"]
 # Batches of 4 blocks: a trial's steps are what its pruner judges, not what they learn (a study of 6 such trials
@@ -134,7 +134,7 @@ def test_two_jobs_keep_two_trials_running_until_the_last_is_asked(tmp_path):
 def test_a_killed_study_continues_its_running_trial_from_its_checkpoint(tmp_path):
     sweep_dir = tmp_path / "killed"
     args = ["-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner=none",
-            "hydra.sweeper.sampler=random", "trainer.lr=tag(log,interval(1e-3,1e-1))", *STEPS]
+            "hydra.sweeper.sampler=random", "trainer.lr=tag(log,interval(1e-3,1e-1))", *STEPS, *PACED]
     proc = subprocess.Popen([sys.executable, "-m", "xtrain", *args], cwd=REPO, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
@@ -160,7 +160,7 @@ def test_a_killed_study_continues_its_running_trial_from_its_checkpoint(tmp_path
     # the continued trial is the run its parameters give unbroken
     lr = trials[1].params["trainer.lr"]
     unbroken = tmp_path / "unbroken"
-    run_xtrain(f"run_dir={unbroken}", f"trainer.lr={lr!r}", *STEPS)
+    run_xtrain(f"run_dir={unbroken}", f"trainer.lr={lr!r}", *STEPS, *SMALL)  # (unpaced: the same numbers)
     assert_equal_weights(second, unbroken)
 
 
