@@ -42,7 +42,7 @@ def pruned_study(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     sweep_dir = tmp_path_factory.mktemp("study") / "lr"
     proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=8",
                       "hydra.sweeper.pruner_settings.n_startup_trials=2", "hydra.sweeper.pruner_settings.n_warmup_steps=10",
-                      "trainer.lr=tag(log,interval(1e-4,3.0))", *STEPS)
+                      "trainer.lr=tag(log,interval(1e-4,3.0))", *STEPS, *SMALL)
     return sweep_dir, proc
 
 
@@ -99,7 +99,8 @@ def test_hyperband_prunes_at_its_rungs(tmp_path):
     sweep_dir = tmp_path / "hyperband"
     run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=6", "hydra.sweeper.pruner=hyperband",
                "hydra.sweeper.pruner_settings.min_resource=5", "hydra.sweeper.pruner_settings.max_resource=30",
-               "hydra.sweeper.pruner_settings.reduction_factor=3", "trainer.lr=tag(log,interval(1e-4,3.0))", *STEPS)
+               "hydra.sweeper.pruner_settings.reduction_factor=3", "trainer.lr=tag(log,interval(1e-4,3.0))", *STEPS,
+               *SMALL)
     steps = {p.name: read_result(p)["steps"] for p in point_dirs(sweep_dir) if read_result(p)["status"] == "pruned"}
     assert steps and set(steps.values()) <= {5, 15}, steps  # min_resource x reduction_factor^k
     assert sum(t.state.name == "PRUNED" for t in study_trials(sweep_dir)) == len(steps)
