@@ -232,7 +232,7 @@ def test_every_rank_of_a_two_process_trial_stops_where_the_pruner_said(tmp_path)
     run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler=random",
                "hydra.sweeper.pruner_settings.n_startup_trials=1", "trainer.lr=choice(0.01,1e-6)",
                "cluster.num_processes=2", "trainer.max_steps=15", "trainer.warmup_steps=0", "trainer.eval_every=5",
-               "trainer.log_every=5", "trainer.save_every=15")
+               "trainer.log_every=5", "trainer.save_every=15", *SMALL)
     first, second, third = point_dirs(sweep_dir)
     assert [read_result(p)["status"] for p in (first, second, third)] == ["completed", "completed", "pruned"]
     result = read_result(third)
