@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -44,6 +45,19 @@ def _build_once(name: str, write) -> Path:
     return final
 
 
+@contextlib.contextmanager
+def parsed_once():
+    """transformers reads the GGUF anew for the tokenizer's config, the tokenizer, the model's config and its
+    weights (7 s of CPU each), and builds gguf's tensor-name map once per module (8 s in all): the same file and
+    map each time, so each is made once here."""
+    import gguf
+    from unittest import mock
+
+    with mock.patch.object(gguf, "GGUFReader", functools.cache(gguf.GGUFReader)), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
+
+
 def smollm2_dir() -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,8 +67,9 @@ def smollm2_dir() -> Path:
     stamp = f"{gguf.stat().st_size}-{int(gguf.stat().st_mtime)}"
 
     def write(path: Path) -> None:
-        tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
-        loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)
+        with parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=GGUF)
+            loaded = AutoModelForCausalLM.from_pretrained(package, gguf_file=GGUF, dtype=torch.float32)
         config = loaded.config
         del config.quantization_config  # the GGUF's: the weights are dequantized, and save_pretrained refuses it
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
