@@ -120,19 +120,24 @@ def test_load_model_returns_the_trained_module_whose_accuracy_the_run_recorded(d
 def test_a_custom_run_killed_and_resumed_ends_bitwise_equal_with_its_best_values(digits_run, project, tmp_path):
     run_dir = tmp_path / "run"
     # checkpoints every 10 steps (when they are written does not change what trains): killed at once after the
-    # first, with ~190 steps to go (waiting longer, a fast machine can finish the 200 steps first)
+    # first is recorded, with ~190 steps to go (waiting longer, a fast machine can finish the 200 steps first)
     proc = start_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "trainer.save_every=10", quiet=True, cwd=project)
-    first = run_dir / "checkpoints" / "step_00000010" / "xtrain_state.json"
     deadline = time.monotonic() + 300
-    while not first.exists():
+    while (json.loads((run_dir / "result.json").read_text()) if (run_dir / "result.json").exists() else {}).get(
+            "checkpoint_step") != 10:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
-    assert read_result(run_dir)["status"] == "running"  # killed mid-run: nothing recorded an end
+    killed = read_result(run_dir)
+    assert killed["status"] == "running"  # killed mid-run: nothing recorded an end
+    assert killed["steps"] == killed["checkpoint_step"] == 10 and 0 < killed["epoch"] < 1
     from xtrain.commands import status
 
-    assert status.run_status(run_dir).startswith(f"run {run_dir}: lost, step ")  # its process is gone
+    text = status.run_status(run_dir)
+    assert text.startswith(f"run {run_dir}: lost, step ")  # its process is gone
+    assert (f"  resume           from its checkpoint of step 10: run the same command with run_dir={run_dir} "
+            "resume=auto") in text.splitlines()
     run_xtrain(f"run_dir={run_dir}", *SPELLED, *TRAINER, "resume=auto", cwd=project)
     assert_equal_weights(digits_run, run_dir)
     resumed, unbroken = read_result(run_dir), read_result(digits_run)

@@ -38,3 +38,13 @@ def test_the_readme_is_a_first_hour_document_whose_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme):
         if not target.startswith("http"):
             assert (REPO / target).exists(), target
+
+
+def test_the_docs_name_the_run_dirs_files_as_a_run_writes_them():
+    """Checkpoints, eval arrays and exports are named by the step in 8 digits (`step_00000300`), never `step_N`."""
+    from xtrain.core.rundir import CHECKPOINT_NAME, checkpoint_name
+
+    assert CHECKPOINT_NAME.match(checkpoint_name(300)) and checkpoint_name(300) == "step_00000300"
+    for page in [REPO / "README.md", *(REPO / "docs").rglob("*.md")]:
+        for name in re.findall(r"(?:checkpoints|evals/[^/`]+|exports)/(step_[^/`.\s]*)", page.read_text()):
+            assert CHECKPOINT_NAME.match(name), (page, name)

@@ -168,6 +168,14 @@ def test_parquet_images_prepare_to_the_folders_pixels(folder, tmp_path):
     (["task.augment=[rotate]"], "task.augment: no augmentation rotate; choose from hflip, crop"),
     (["model=tiny_gpt2"], "task=image_cls: the model is built by _target_: use model=resnet, model=vit, or "
                           "model._target_=<a callable returning an nn.Module>"),
+    # the metrics, before anything starts, on outputs of the shape the task declares
+    (["task.metrics=[{_target_: torchmetrics.classification.MulticlassAccuracy, num_classes: 5, name: acc}]"],
+     "task.metrics: torchmetrics.classification.MulticlassAccuracy failed on probs of shape (64, 10) (float32) and "
+     "targets of shape (64,) (int64)"),
+    (["task.metrics=[accuracy,{_target_: torchmetrics.classification.MulticlassConfusionMatrix, num_classes: 10, "
+      "name: cm}]", "trainer.monitor=val_cm"],
+     "trainer.monitor=val_cm: val_cm is an array at each eval (saved under evals/), not one number, so no eval is "
+     "better than another by it; choose one of val_loss, val_accuracy"),
 ])
 def test_bad_image_cls_settings_are_one_line_and_write_nothing(folder, tmp_path, settings, expected):
     run_dir = tmp_path / "run"

@@ -19,6 +19,7 @@ AUROC = "{_target_: torchmetrics.classification.BinaryAUROC, name: auroc}"
 # way a number goes wrong.
 PROBES = '''import time
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -108,6 +109,63 @@ def slow_accuracy(preds, targets):
     """Accuracy that takes a second to compute: an eval the throughput must not count."""
     time.sleep(1.0)
     return float((preds == targets).double().mean())
+
+
+import torchmetrics
+
+
+class Counted(torchmetrics.Metric):
+    """A user's own metric with a sum state: the examples it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("n", default=torch.tensor(0), dist_reduce_fx="sum")
+
+    def update(self, preds, targets):
+        self.n += len(targets)
+
+    def compute(self):
+        return self.n
+
+
+class Gathered(torchmetrics.Metric):
+    """A user's own metric with a list state (concatenated across ranks by a sync): the targets it kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("kept", default=[], dist_reduce_fx="cat")
+
+    def update(self, preds, targets):
+        self.kept.append(targets)
+
+    def compute(self):
+        return torch.tensor(float(sum(len(t) for t in self.kept) if isinstance(self.kept, list) else len(self.kept)))
+
+
+CALLS = []
+
+
+def fails_once_started(preds, targets):
+    """A metric the driver's check passes (its first call in the process) that fails at the run's first eval."""
+    CALLS.append(len(targets))
+    if len(CALLS) > 1:
+        raise ValueError("a metric that fails once the run has started")
+    return 0.0
+
+
+class Wide(Table):
+    """Test items with twice the features the model takes."""
+
+    def __getitem__(self, index):
+        features, target = super().__getitem__(index)
+        return np.concatenate([features, features]), target
+
+
+class Watch:
+    """Writes the error its on_exception hook is given into <run dir>/exception.txt."""
+
+    def on_exception(self, state, error):
+        (state.run_dir / "exception.txt").write_text(f"{type(error).__name__}: {error}")
 '''
 
 
@@ -217,7 +275,86 @@ def test_a_regression_keeps_the_best_model_by_a_metric_of_its_own(project, tmp_p
     assert result["model_eval"]["val_mse"] == pytest.approx(float(((truth - out) ** 2).mean()), rel=1e-5)
 
 
+COUNTS = ("task.metrics=[accuracy,{_target_: torchmetrics.classification.MulticlassConfusionMatrix, num_classes: 3, "
+          "name: confusion},{_target_: torchmetrics.classification.MulticlassStatScores, num_classes: 3, average: null, "
+          "name: stats},{_target_: probes.Counted, name: counted},{_target_: probes.Gathered, name: gathered}]")
+TEST_SPLIT = ["data.test._target_=tables.table", "+data.test.name=wine", "+data.test.split=test"]
+
+
+def test_counts_and_arrays_on_two_processes_are_one_processs(project, tmp_path):
+    """Wine's 36 val and 36 test examples, dealt to 2 ranks in batches of 16 (the sampler pads the last): every
+    torchmetrics metric with sum or list states (a confusion matrix, per-class stat scores, a user's own metric
+    classes) counts each example once, as one process does, in the run and in `xtrain.eval num_processes=2`; the
+    test split's matrix is the exported model's and listed in result.json with the val ones."""
+    from sklearn import metrics as sk
+
+    args = ["--config-dir", "conf", "experiment=wine", COUNTS, *TEST_SPLIT, "trainer.max_steps=2",
+            "trainer.warmup_steps=1", "trainer.eval_every=2", "trainer.save_every=2"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_xtrain(*args, f"run_dir={one}", cwd=project)
+    run_xtrain(*args, f"run_dir={two}", "cluster.num_processes=2", cwd=project)
+    first = "evals/{}/step_00000000.json"
+    for name in ("confusion", "stats"):  # step 0: the same initial weights
+        assert json.loads((two / first.format(name)).read_text()) == json.loads((one / first.format(name)).read_text())
+    assert sum(map(sum, json.loads((two / first.format("confusion")).read_text())["confusion"])) == 36
+    step0 = read_metrics(two)[0]
+    assert step0["step"] == 0 and step0["val/counted"] == step0["val/gathered"] == 36
+    result, test = read_result(two), table(project, "wine", split="test")
+    assert result["test_counted"] == result["test_gathered"] == 36
+    last = f"evals/test_confusion/step_{result['model_step']:08d}"
+    assert {f"{last}.json", f"{last}.png"} <= set(result["eval_files"]["test_confusion"])
+    assert json.loads((two / f"{last}.json").read_text())["test_confusion"] == sk.confusion_matrix(
+        test.targets, outputs_of(two, test).argmax(1).numpy()).tolist()
+    from conftest import xtrain_in_process
+
+    evaluated = {}
+    for processes in (1, 2):
+        xtrain_in_process(str(two), f"num_processes={processes}", cwd=project, command="xtrain.eval")
+        evaluated[processes] = json.loads((two / "eval.json").read_text())["val"]
+    assert evaluated[2] == evaluated[1] and evaluated[2]["counted"] == 36
+    assert sum(map(sum, evaluated[2]["confusion"])) == 36
+
+
+def test_a_failure_after_the_start_is_recorded_and_told_to_the_callbacks(project, tmp_path):
+    """What the driver cannot see coming (a metric of the user's that fails only once the run has started) ends the
+    run `failed` with its one line in result.json, as `xtrain.status` shows it, never `running`; the callbacks'
+    on_exception gets the error."""
+    run_dir = tmp_path / "run"
+    proc = run_xtrain("--config-dir", "conf", "experiment=wine", f"run_dir={run_dir}", "trainer.export=best",
+                      "task.metrics=[{_target_: probes.fails_once_started, name: late, direction: maximize}]",
+                      "trainer.monitor=val_late", "trainer.callbacks=[{_target_: probes.Watch}]", check=False,
+                      cwd=project)
+    line = assert_one_line_error(proc, "task.metrics: probes.fails_once_started failed on preds of shape (36,)")
+    result = read_result(run_dir)
+    assert result["status"] == "failed" and result["error"] == line.removeprefix("xtrain: error: ")
+    from xtrain.commands import status
+
+    assert status.run_status(run_dir).startswith(f"run {run_dir}: failed, step 0 of 60")
+    assert (run_dir / "exception.txt").read_text() == f"ConfigError: {result['error']}"
+
+
 @pytest.mark.parametrize("experiment,overrides,expected", [
+    ("wine", ["trainer.monitor=val_confusion", "trainer.monitor_direction=maximize"],
+     "trainer.monitor=val_confusion: val_confusion is an array at each eval (saved under evals/), not one number, so no "
+     "eval is better than another by it; choose one of val_loss, val_accuracy, val_auroc"),
+    ("wine", ["task.metrics=[acuracy]", "trainer.monitor=val_accuracy"],
+     "task.metrics: no built-in metric acuracy; choose from accuracy, f1_macro"),
+    ("wine", ["task.metrics=[{_target_: torchmetrics.classification.MulticlassAccuracy, num_classes: 2, name: acc}]",
+              "trainer.monitor=val_acc"],
+     "task.metrics: torchmetrics.classification.MulticlassAccuracy failed on probs of shape (36, 3) (float32)"),
+    ("wine", ["task.loss._target_=torch.nn.CrossEntropyLoss", "+task.loss.smooth=0.2"],
+     "task.loss.smooth=0.2: torch.nn.CrossEntropyLoss takes no argument smooth; did you mean task.loss.label_smoothing? "
+     "(it takes weight, size_average, ignore_index, reduce, reduction, label_smoothing)"),
+    ("wine", ["task.loss._target_=torch.nn.functional.cross_entropy", "+task.loss.smoothing=0.2"],
+     "task.loss.smoothing=0.2: torch.nn.functional.cross_entropy takes no argument smoothing; did you mean "
+     "task.loss.label_smoothing?"),
+    ("wine", ["data.test._target_=probes.Wide", "+data.test.name=wine", "+data.test.split=test"],
+     "model._target_=nets.mlp: its forward failed on a batch of data.test ((36, 26) (float32)): RuntimeError: mat1 and "
+     "mat2 shapes cannot be multiplied"),
+    ("wine", [*TEST_SPLIT, "task.metrics=[{_target_: torchmetrics.classification.MulticlassAUROC, num_classes: 3, "
+                            "nme: auroc}]"],
+     "task.metrics[0]._target_=torchmetrics.classification.MulticlassAUROC: calling it failed: ValueError: Unexpected "
+     "keyword arguments: `nme`"),
     ("diabetes", ["task.metrics=[accuracy]", "trainer.monitor=val_loss"],
      "task.metrics: accuracy measures classes, but the eval gives outputs of shape (88,) and targets of shape (88,) "
      "with targets other than class ids (a regression); use mse or mae"),
@@ -252,6 +389,29 @@ def test_a_number_that_cannot_be_computed_is_one_line_before_anything_starts(pro
                       check=False, cwd=project)
     assert_one_line_error(proc, expected)
     assert not run_dir.exists()
+
+
+def test_the_monitor_and_objective_may_name_only_what_the_metrics_compute_as_one_number(project, tmp_path):
+    """Checked after the metrics ran on the driver's probe: a function metric that returns an array (scikit-learn's
+    confusion matrix) is neither offered nor taken as a monitor or a study's objective."""
+    cm = "task.metrics=[accuracy,{_target_: sklearn.metrics.confusion_matrix, name: cm}]"
+    cases = [
+        (["trainer.monitor=val_acc"], "trainer.monitor=val_acc: the task does not compute it; it computes val_loss, "
+                                      "val_accuracy"),
+        (["trainer.monitor=val_cm", "trainer.monitor_direction=minimize"],
+         "trainer.monitor=val_cm: val_cm is an array at each eval (saved under evals/), not one number, so no eval is "
+         "better than another by it; choose one of val_loss, val_accuracy"),
+        (["-m", "hydra/sweeper=xtrain_optuna", "hydra.sweeper.objective=val_cm", "hydra.sweeper.direction=maximize",
+          "trainer.lr=interval(1e-4,1e-1)"],
+         "hydra.sweeper.objective=val_cm: val_cm is an array at each eval (saved under evals/), not one number, so no "
+         "eval is better than another by it; choose one of val_loss, val_accuracy"),
+    ]
+    for overrides, expected in cases:
+        run_dir = tmp_path / "run"
+        proc = run_xtrain("--config-dir", "conf", "experiment=wine", f"run_dir={run_dir}", cm, *overrides, check=False,
+                          cwd=project)
+        assert assert_one_line_error(proc) == f"xtrain: error: {expected}"
+        assert not run_dir.exists()
 
 
 def test_a_study_against_a_metrics_own_direction_is_refused(project, tmp_path):

@@ -56,6 +56,28 @@ class Failing:
             raise ValueError("no room for the matrix")
 
 
+class LightningNamed:
+    """A hook xtrain calls, and one only Lightning does."""
+
+    def on_validation_end(self, state, metrics):
+        pass
+
+    def on_validation_epoch_end(self, state):
+        pass
+
+
+class Narrow:
+    def on_validation_end(self, state):
+        pass
+
+
+class Watch:
+    """The error on_exception is given, in <run dir>/exception.txt."""
+
+    def on_exception(self, state, error):
+        (state.run_dir / "exception.txt").write_text(f"{type(error).__name__}: {error}")
+
+
 class Noted:
     """Every hook, in order, in <run dir>/hooks.jsonl (on every rank: each writes its own file)."""
 
@@ -119,6 +141,38 @@ def test_sgd_with_momentum_on_a_one_cycle_schedule_trains_as_torch_steps_it(sgd_
     assert logged == pytest.approx(expected, rel=1e-9)
     result = read_result(sgd_run)
     assert result["status"] == "completed" and result["val_accuracy"] > 0.9
+
+
+def test_trainer_lr_is_the_peak_rate_of_a_schedule_that_takes_one(project, tmp_path):
+    """OneCycleLR and CyclicLR take their peak as `max_lr`: left unset, it is trainer.lr (as total_steps is
+    trainer.max_steps); set, trainer.lr does nothing, so a sweep over it is refused before any point runs and a
+    single run says so."""
+    from xtrain.config.schema import TrainerConfig
+    from xtrain.engine import optim
+
+    for node in ({"_target_": "torch.optim.lr_scheduler.OneCycleLR"},
+                 {"_target_": "torch.optim.lr_scheduler.CyclicLR", "base_lr": 0.001, "step_size_up": 10}):
+        trainer = TrainerConfig(lr=0.2, max_steps=60, scheduler=node)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.01, momentum=0.9)
+        schedule, rates = optim.build_scheduler(optimizer, trainer), []
+        for _ in range(60):
+            rates.append(schedule.get_last_lr()[0])
+            optimizer.step()
+            schedule.step()
+        assert max(rates) == pytest.approx(0.2) and optim.lr_unused(trainer) is None, node
+        assert optim.lr_unused(TrainerConfig(lr=0.2, scheduler={**node, "max_lr": 0.1})) == (
+            "trainer.scheduler.max_lr=0.1 sets the peak rate")
+    assert optim.lr_unused(TrainerConfig(optimizer={"_target_": "torch.optim.SGD", "lr": 0.1})) == (
+        "trainer.optimizer.lr=0.1 sets the rate")
+    sweep_dir = tmp_path / "grid"
+    proc = run_xtrain("-m", *WINE, f"run_dir={sweep_dir}", *SGD, "trainer.lr=0.05,0.2", check=False, cwd=project)
+    assert_one_line_error(proc, "point 0 (trainer.lr=0.05): trainer.lr=0.05: swept, but trainer.scheduler.max_lr=0.1 "
+                                "sets the peak rate, so every point would train alike; sweep trainer.scheduler.max_lr "
+                                "instead, or leave it unset so that it takes trainer.lr")
+    assert not sweep_dir.exists()
+    proc = run_xtrain(*WINE, f"run_dir={tmp_path / 'one'}", *SGD, "trainer.lr=0.05", "dry_run=true", cwd=project)
+    assert ("trainer.lr=0.05 is not used: trainer.scheduler.max_lr=0.1 sets the peak rate"
+            in (proc.stdout + proc.stderr))
 
 
 def test_a_killed_sgd_one_cycle_run_resumes_bitwise(project, sgd_run, tmp_path):
@@ -248,7 +302,7 @@ def test_ctrl_c_stops_at_a_step_boundary_and_the_run_resumes_bitwise(project, tm
     """The first Ctrl-C: the step's checkpoint, one line naming how to continue, exit 130; resumed, the run ends
     where an unbroken one ends. A second Ctrl-C stops at once, in one line."""
     long = ["trainer.max_steps=200", "trainer.log_every=1", "trainer.eval_every=200", "trainer.save_every=200"]
-    slow = "trainer.callbacks=[{_target_: extra.Slow}]"
+    slow = "trainer.callbacks=[{_target_: extra.Slow}, {_target_: extra.Watch}]"
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     run_xtrain(*WINE, f"run_dir={whole}", *long, cwd=project)
     proc = subprocess.Popen([sys.executable, "-m", "xtrain", *WINE, f"run_dir={stopped}", *long, slow], cwd=project,
@@ -261,6 +315,8 @@ def test_ctrl_c_stops_at_a_step_boundary_and_the_run_resumes_bitwise(project, tm
     assert err.strip().splitlines()[-1] == (f"xtrain: stopped by SIGINT at step {step} with a checkpoint; to continue, "
                                             f"run the same command with run_dir={stopped} resume=auto")
     assert (stopped / "checkpoints" / f"step_{step:08d}" / "xtrain_state.json").is_file()
+    assert (stopped / "exception.txt").read_text() == (f"KeyboardInterrupt: stopped by SIGINT at step {step}; its "
+                                                       "checkpoint is saved")
     run_xtrain(*WINE, f"run_dir={stopped}", *long, slow, "resume=auto", cwd=project)
     assert_equal_weights(whole, stopped)
     assert read_result(stopped)["restarts"][0]["steps_lost"] == 0
@@ -275,6 +331,7 @@ def test_ctrl_c_stops_at_a_step_boundary_and_the_run_resumes_bitwise(project, tm
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "Traceback" not in err
     assert err.strip().splitlines()[-1].startswith("xtrain: stopped at once by a second SIGINT; to continue")
+    assert (twice / "exception.txt").read_text().startswith("KeyboardInterrupt: ")
 
 
 def wait_for_rows(run_dir, proc, rows: int) -> None:
@@ -332,6 +389,12 @@ def test_the_log_says_where_a_run_stands_and_what_it_saved(project, tmp_path):
                       cwd=project)
     text = proc.stdout + proc.stderr
     assert "| 30/60 steps, eta " in text and "| 60/60 steps, eta 0s" in text
+    # 106 train examples in steps of 16: 6 steps an epoch (each epoch's order leaves 10 out)
+    assert "| effective batch 16 examples, 6 steps an epoch" in text and "| epoch 5.00 | 30/60 steps" in text
+    rows = read_metrics(tmp_path / "run")
+    assert [(row["step"], row["epoch"]) for row in rows if "train/loss" in row] == [(30, 5.0), (60, 10.0)]
+    assert [row["epoch"] for row in rows if "val/loss" in row] == [0.0, 2.5, 5.0, 7.5, 10.0]
+    assert read_result(tmp_path / "run")["epoch"] == 10.0 and read_result(tmp_path / "run")["steps_per_epoch"] == 6
     assert f"step 30 | checkpoint saved: {tmp_path / 'run' / 'checkpoints' / 'step_00000030'}" in text
     assert "step 60 | exporting model/" in text
 
@@ -348,6 +411,19 @@ def test_the_log_says_where_a_run_stands_and_what_it_saved(project, tmp_path):
      "trainer.callbacks[0]._target_=extra.smoothed_ce: calling it failed"),
     (["data.collate_fn._target_=extra.nope"], "data.collate_fn._target_=extra.nope: module extra has no nope"),
     (["data.test._target_=extra.nope"], "data.test._target_=extra.nope: module extra has no nope"),
+    (["trainer.callbacks=[{_target_: extra.LightningNamed}]"],
+     "trainer.callbacks[0]._target_=extra.LightningNamed: on_validation_epoch_end is not a hook xtrain calls, so it "
+     "would never run; did you mean on_validation_end? (the hooks: on_train_start, on_train_batch_end, "
+     "on_validation_end, on_save_checkpoint, on_train_end, on_exception)"),
+    (["trainer.callbacks=[{_target_: extra.Narrow}]"],
+     "trainer.callbacks[0]._target_=extra.Narrow: on_validation_end cannot be called as on_validation_end(state, "
+     "metrics), as xtrain calls it"),
+    (["trainer.callbacks=[{_target_: extra.Slow, every: 2}]"],
+     "trainer.callbacks[0].every=2: extra.Slow takes no argument every (it takes no keyword arguments)"),
+    (["trainer.max_epochs=3"], "trainer.max_epochs=3: xtrain counts optimizer steps, not epochs; set trainer.max_steps"),
+    (["trainer.optimizer._target_=torch.optim.SGD", "+trainer.optimizer.momentun=0.9"],
+     "trainer.optimizer.momentun=0.9: torch.optim.SGD takes no argument momentun; did you mean "
+     "trainer.optimizer.momentum?"),
 ])
 def test_a_bad_piece_of_your_own_loop_is_one_line_and_writes_nothing(project, tmp_path, overrides, expected):
     run_dir = tmp_path / "run"

@@ -378,3 +378,52 @@ def test_a_config_built_models_facts_are_kept_in_the_cache_and_read_back_without
     monkeypatch.setenv("XTRAIN_CACHE_DIR", str(tmp_path / "not-a-dir"))
     monkeypatch.setattr(facts_module, "_FACTS", {})
     assert model_facts(fsdp) == built
+
+
+def test_the_effective_batch_under_tensor_parallelism_counts_data_parallel_ranks(tmp_path):
+    """4 processes as 2 shards x 2-way TP: the two ranks of a TP group train on one batch, so a step is micro 4 x
+    grad_accum 2 x 2 data-parallel ranks = 16 sequences, wherever it is counted: the plan, the study's step unit (the
+    pruner's scale), a sweep's summary of a point not yet started."""
+    from xtrain.config import schema
+    from xtrain.distributed import mesh
+    from xtrain.sweeps import summary
+
+    tp = ["model=tiny_llama", "strategy=fsdp", "strategy.tp=2", "cluster.num_processes=4", "trainer.batch_size=4",
+          "trainer.grad_accum=2"]
+    cfg = compose_run(*tp)
+    assert mesh.of(cfg).data_parallel == 2 and mesh.effective_batch(cfg) == 16
+    plan = xtrain_in_process(f"run_dir={tmp_path / 'run'}", *tp, "dry_run=true")
+    assert "batch        micro 4 x grad_accum 2 x data-parallel 2 = 16 sequences" in plan.stdout
+    study = xtrain_in_process("-m", f"run_dir={tmp_path / 'study'}", *tp, "hydra/sweeper=xtrain_optuna",
+                              "trainer.lr=interval(1e-4,1e-2)", "dry_run=true")
+    assert "each reports its evals at the steps of a trial of 16 examples a step" in study.stdout
+    pending = tmp_path / "pending"
+    pending.mkdir()
+    (pending / "run.yaml").write_text(schema.to_yaml(cfg))
+    assert summary.run_row(pending)["batch_sequences"] == 16
+
+
+def test_the_plan_counts_the_state_of_the_users_own_optimizer():
+    """Measured on a stand-in parameter: SGD keeps nothing, its momentum 4 bytes a parameter, Adagrad its sums; the
+    default AdamW is the estimate's own 8."""
+    from xtrain.engine import optim
+
+    sgd = ["trainer.optimizer._target_=torch.optim.SGD"]
+    cases = {(): None, tuple(sgd): 0, (*sgd, "+trainer.optimizer.momentum=0.9"): 4,
+             ("trainer.optimizer._target_=torch.optim.Adagrad",): 4, ("trainer.optimizer._target_=torch.optim.Adam",): 8}
+    psi = 1_000_000
+    for overrides, state in cases.items():
+        cfg = compose_run("precision=fp32", *overrides)
+        assert optim.state_bytes(cfg) == state, overrides
+        memory = estimate.model_state_memory(psi, cfg, optimizer_state=optim.state_bytes(cfg))
+        assert (memory.params, memory.grads, memory.optimizer) == (4 * psi, 4 * psi, (8 if state is None else state) * psi)
+    zero2 = compose_run("strategy=zero2", "precision=bf16", "cluster.num_processes=4", *sgd,
+                        "+trainer.optimizer.momentum=0.9")
+    assert estimate.model_state_memory(psi, zero2, optimizer_state=4).optimizer == (4 + 4) * psi / 4  # + master copy
+
+
+def test_a_dry_run_with_sgd_shows_its_optimizer_memory(tmp_path):
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", "trainer.optimizer._target_=torch.optim.SGD")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("  memory"))
+    assert "+ optimizer 0.0 MB" in line
+    assert "(torch.optim.SGD: 0 bytes of state a parameter, measured;" in proc.stdout

@@ -188,6 +188,10 @@ def test_multi_label_and_regression_learn(encoder, tagged, tmp_path, settings, e
     (["model=tiny_gpt2", "task.num_labels=2"],
      "model.source=config: task=seq_cls fine-tunes a pretrained encoder or decoder; use model=hf "
      "model.name_or_path=<a model directory or hub id>"),
+    (["task.num_labels=2", "task.metrics=[{_target_: torchmetrics.classification.BinaryStatScores, name: counts}]",
+      "trainer.monitor=val_counts"],
+     "trainer.monitor=val_counts: val_counts is an array at each eval (saved under evals/), not one number, so no "
+     "eval is better than another by it; choose one of val_loss"),
 ])
 def test_bad_seq_cls_settings_are_one_line_and_write_nothing(encoder, reviews, tmp_path, settings, expected):
     run_dir = tmp_path / "run"

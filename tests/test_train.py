@@ -54,6 +54,11 @@ def test_metrics_jsonl_has_every_logged_step_and_eval(short_run):
     assert train[-1]["train/tokens_seen"] == 12 * 16 * 128
     assert evals[-1]["val/loss"] < evals[0]["val/loss"]
     assert read_result(short_run)["val_loss"] == evals[-1]["val/loss"]
+    # the epoch of each row: pydoc's 955 train blocks make 59 whole steps of 16
+    result = read_result(short_run)
+    assert result["steps_per_epoch"] == 955 // 16 == 59 and result["effective_batch"] == 16
+    assert [r["epoch"] for r in train] == [round(step / 59, 4) for step in (4, 8, 12)]
+    assert [r["epoch"] for r in evals] == [0.0, round(6 / 59, 4), round(12 / 59, 4)] and result["epoch"] == round(12 / 59, 4)
 
 
 def test_saved_model_loads_with_transformers_and_generates(short_run):

@@ -103,7 +103,17 @@ def run_status(run_dir: Path) -> str:
             lines.append(f"  {name:16} {summary.fmt(row[name])}")
     if row["error"]:
         lines.append(f"  error            {row['error']}")
+    newest = rundir.complete_checkpoints(run_dir)[-1:]
+    if newest and row["status"] in RESUMABLE:
+        step = int(rundir.CHECKPOINT_NAME.match(newest[0].name).group(1))
+        lines.append(f"  resume           from its checkpoint of step {step}: run the same command with "
+                     f"run_dir={run_dir} resume=auto")
     return "\n".join(lines)
+
+
+# what a run that ended so continues from its newest checkpoint with resume=auto (a requeued SLURM job does by itself)
+RESUMABLE = (rundir.LOST, rundir.Status.failed, rundir.Status.interrupted, rundir.Status.cancelled,
+             rundir.Status.timeout)
 
 
 USAGE = """usage: python -m xtrain.status RUN_DIR_OR_SWEEP_DIR

@@ -20,7 +20,7 @@ from xtrain.config.precision import Fp8Backend, Precision, PrecisionConfig  # no
 from xtrain.config.strategy import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
                                      StrategyConfig)
 from xtrain.config.task import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
-                                 check_monitor, given, monitor_direction, target_data, target_model)
+                                 given, monitor_direction, target_data, target_model)
 from xtrain.config.tracker import TrackerConfig, TrackerKind  # noqa: F401 (re-exported)
 from xtrain.config.trainer import TrainerConfig  # noqa: F401 (re-exported)
 from xtrain.core.errors import ConfigError, override_of, unknown_setting
@@ -147,7 +147,6 @@ def from_container(container: Any) -> RunConfig:
     check_task(cfg)
     if isinstance(cfg.model, ModelConfig):
         cfg.model.check_source()
-    check_monitor(cfg.trainer, cfg.task)
     if cfg.task.code_dir is None and names_users_code(cfg):
         import os
 

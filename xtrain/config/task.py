@@ -232,15 +232,24 @@ def monitor_direction(trainer, known: str | None) -> str:
     return known
 
 
-def check_monitor(t, task: TaskConfig, directions: dict | None = None) -> None:
-    """`trainer.monitor` (of the trainer settings `t`) names a value the task's evals record, in a direction that
-    fits it. `directions`: each eval value's, as the task knows them once its metrics are built (a torchmetrics
-    class's `higher_is_better`); without them, what the config tells."""
-    computed = eval_values(task)
-    if t.monitor not in computed:
-        raise ConfigError(f"trainer.monitor={t.monitor}: the task does not compute it; it computes {', '.join(computed)}")
-    known = directions.get(t.monitor) if directions is not None else known_direction(t.monitor, task)
-    if t.monitor_direction is Direction.auto and known is None and directions is not None:
+def check_one_number(setting: str, name: str, task: TaskConfig, arrays=frozenset()) -> None:
+    """`name` (what `setting` names: `trainer.monitor`, a study's objective) is an eval value the task records as one
+    number. `arrays`: the values its metrics' probe gave as arrays (a confusion matrix), which have no best."""
+    computed = [value for value in eval_values(task) if value not in arrays]
+    if name in arrays:
+        raise ConfigError(f"{setting}: {name} is an array at each eval (saved under evals/), not one number, so no "
+                          f"eval is better than another by it; choose one of {', '.join(computed)}")
+    if name not in computed:
+        raise ConfigError(f"{setting}: the task does not compute it; it computes {', '.join(computed)}")
+
+
+def check_monitor(t, task: TaskConfig, directions: dict, arrays=frozenset()) -> None:
+    """`trainer.monitor` (of the trainer settings `t`) names a value the task's evals record as one number, in a
+    direction that fits it. `directions`: each eval value's, as the task knows them once its metrics are built (a
+    torchmetrics class's `higher_is_better`); `arrays`: the values its probe gave as arrays."""
+    check_one_number(f"trainer.monitor={t.monitor}", t.monitor, task, arrays)
+    known = directions.get(t.monitor)
+    if t.monitor_direction is Direction.auto and known is None:
         raise ConfigError(f"trainer.monitor_direction=auto: whether a higher {t.monitor} is better is not known; set "
                           "trainer.monitor_direction=maximize or minimize (or direction: in its task.metrics entry)")
     if known is not None and t.monitor_direction is not Direction.auto and t.monitor_direction.value != known:

@@ -16,9 +16,12 @@ class TrainerConfig:
     grad_accum: int = 1
     """Micro batches per optimizer step."""
     max_steps: int = 300
-    """Optimizer steps."""
+    """Optimizer steps (not epochs: an epoch is the train examples over the effective batch, and the run's first log
+    line says how many steps that is)."""
     lr: float = 2e-3
-    """Peak learning rate (AdamW), reached after warmup_steps, then cosine decay to min_lr_ratio x lr."""
+    """Peak learning rate: AdamW's, reached after warmup_steps, then cosine decay to min_lr_ratio x lr; with a
+    `trainer.scheduler` of your own that takes its own peak (`max_lr`: OneCycleLR, CyclicLR), its `max_lr` where the
+    node leaves it unset."""
     warmup_steps: Optional[int] = None
     """Optimizer steps of linear warmup from 0 to lr; default: a tenth of max_steps (30 of the default 300), recorded
     in run.yaml as a number."""
@@ -78,13 +81,16 @@ class TrainerConfig:
     unless it is given its own `weight_decay`) and `trainer.lr` (unless given its own `lr`). Unset: AdamW."""
     scheduler: Dict[str, Any] = field(default_factory=unset)
     """A learning-rate schedule of your own: `trainer.scheduler._target_=torch.optim.lr_scheduler.OneCycleLR` (its
-    arguments: `+trainer.scheduler.max_lr=0.1`), stepped once per optimizer step; it gets the optimizer, and
-    `trainer.max_steps` as `total_steps`, `num_training_steps` or `T_max` where it takes one. Unset: linear warmup
-    over `warmup_steps`, then cosine decay to `min_lr_ratio` x `lr`."""
+    arguments: `+trainer.scheduler.pct_start=0.2`), stepped once per optimizer step; it gets the optimizer,
+    `trainer.max_steps` as `total_steps`, `num_training_steps` or `T_max` where it takes one, and `trainer.lr` as
+    `max_lr` where it takes one and the node does not set it (set there, `trainer.lr` does nothing: a run says so, a
+    sweep over it is refused). Unset: linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` x
+    `lr`."""
     callbacks: List[Any] = field(default_factory=list)
     """Objects by `_target_` whose hooks the loop calls, named as in Lightning: `on_train_start`,
-    `on_train_batch_end`, `on_validation_end`, `on_save_checkpoint`, `on_train_end` (xtrain/engine/callbacks.py); on
-    the main process unless the callback sets `every_rank = True`."""
+    `on_train_batch_end`, `on_validation_end`, `on_save_checkpoint`, `on_train_end`, `on_exception` (a failure or an
+    interruption; xtrain/engine/callbacks.py); on the main process unless the callback sets `every_rank = True`. A
+    method named like a hook that is not one (Lightning's `on_validation_epoch_end`) is refused."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",

@@ -130,16 +130,20 @@ def closest(name: str, settings: list[str]) -> str | None:
 
 
 BY_TARGET = ("model._target_", "data.train._target_", "data.val._target_", "data.test._target_")
+EPOCHS = ("max_epochs", "epochs", "num_epochs", "num_train_epochs", "n_epochs", "min_epochs")  # Lightning's, HF's
 
 
 def unknown_setting(name: str, value: str | None, settings: list[str]) -> str:
     """The one line for a setting that does not exist, with the one that most likely was meant."""
+    given = f"{name}{'' if value is None else '=' + value}"
     if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
-        return (f"{name}{'' if value is None else '=' + value}: a model and datasets by _target_ are trained by "
-                "task=custom; add task=custom")
+        return f"{given}: a model and datasets by _target_ are trained by task=custom; add task=custom"
+    if name.split(".")[-1] in EPOCHS:
+        return (f"{given}: xtrain counts optimizer steps, not epochs; set trainer.max_steps (an epoch is the train "
+                "examples over the effective batch: the run's first log line says how many steps)")
     close = closest(name, settings)
     hint = f"did you mean {close}?" if close else "python -m xtrain --cfg job lists every setting"
-    return f"{name}{'' if value is None else '=' + value}: no such setting; {hint}"
+    return f"{given}: no such setting; {hint}"
 
 
 def override_of(key: str) -> tuple[str, str | None]:

@@ -187,13 +187,20 @@ def kept_value(result: dict, name: str):
     return (result.get("model_eval") or {}).get(name, result.get(name))
 
 
-def record_end(run_dir: Path, status: str, error: str, started_only: bool = False) -> None:
+def record_end(run_dir: Path, status: str, error: str, started_only: bool = False, a_rank_failed: bool = False) -> None:
     """How a run ended, in result.json, unless its trainer recorded an end already. `started_only`: only
-    for a run whose training had started (its result.json exists): a run that failed before can reuse its dir."""
+    for a run whose training had started (its result.json exists): a run that failed before can reuse its dir.
+    `a_rank_failed`: the end is the first rank's own failure, which also replaces what the main rank recorded as it
+    failed or was stopped because of it (its collective cut off, its SIGTERM: `failed`, or `interrupted` with no stop
+    checkpoint)."""
+    def open_end(recorded: dict) -> bool:
+        status_now = recorded.get("status")
+        because = status_now == Status.failed.value or status_now == Status.interrupted.value and "stop" not in recorded
+        return status_now in (None, Status.running.value) or a_rank_failed and because
+
     if started_only and not (Path(run_dir) / RESULT).exists():
         return
-    update_result(run_dir, {"status": Status(status).value, "error": error},
-                  only_if=lambda r: r.get("status") in (None, Status.running.value))
+    update_result(run_dir, {"status": Status(status).value, "error": error}, only_if=open_end)
 
 
 def holds_run(run_dir: Path) -> bool:

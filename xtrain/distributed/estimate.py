@@ -5,7 +5,8 @@ variance); with fp32 training it is 4 + 4 + 8 (no master copy). DDP keeps fp32 w
 gradients under autocast too (4 + 4 + 8 at any precision: the same 16 bytes, held differently), its
 gradient buckets being views of the gradients (`gradient_as_bucket_view`), and replicates all of it; ZeRO-1 partitions the optimizer state over the N data-parallel ranks, ZeRO-2 also
 the gradients, ZeRO-3 also the weights. FSDP keeps fp32 weights sharded (mixed precision
-casts them per layer), so full_shard costs 16 / N bytes per parameter. Activations,
+casts them per layer), so full_shard costs 16 / N bytes per parameter. Another optimizer keeps its own state in place
+of Adam's 8 bytes (SGD with momentum 4, without 0: measured for the run's own, engine/optim.py). Activations,
 temporary buffers, fragmentation and the CUDA context are not included.
 """
 
@@ -37,27 +38,33 @@ class Memory:
         return self.states + (self.activations or 0.0)
 
 
-def bytes_per_param(precision: Precision) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer states) for Adam."""
+ADAM_STATE = 8.0  # bytes a parameter: Adam's two fp32 moments
+
+
+def bytes_per_param(precision: Precision, state: float = ADAM_STATE) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) for an optimizer keeping `state` bytes a parameter (Adam's 8); under
+    mixed precision the optimizer also holds the fp32 master copy."""
     if precision is Precision.fp32:
-        return 4, 4, 8
-    return 2, 2, 12
+        return 4, 4, state
+    return 2, 2, 4 + state
 
 
 QUANTIZED_BYTES = 0.5  # a 4-bit weight (QLoRA's base; its quantization constants, ~0.1 bit each, not counted)
 
 
 def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = None, quantized: int = 0,
-                       tp_split: int = 0) -> Memory:
+                       tp_split: int = 0, optimizer_state: float | None = None) -> Memory:
     """Model-state bytes per device; with `trainable` (LoRA) only those parameters have gradients and
     optimizer states, the rest weights alone; `quantized` of those weights in 4 bits (QLoRA). Under a mesh FSDP2
     shards over dp_shard (replicas hold a copy each) and `tp_split` of the parameters (those the tensor-parallel
-    plan splits) are split over tp first."""
+    plan splits) are split over tp first. `optimizer_state`: the bytes a parameter the run's optimizer keeps (a
+    user's, measured: engine/optim.py); None: AdamW's."""
     s = cfg.strategy
     n = cfg.cluster.world_size
-    w, g, k = bytes_per_param(cfg.precision.name)
+    state = ADAM_STATE if optimizer_state is None else optimizer_state
+    w, g, k = bytes_per_param(cfg.precision.name, state)
     if s.name is Strategy.ddp:  # autocast: fp32 weights and gradients, whatever the precision
-        params, grads, opt = 4, 4, 8
+        params, grads, opt = 4, 4, state
     elif s.name is Strategy.zero1:
         params, grads, opt = w, g, k / n
     elif s.name is Strategy.zero2:
@@ -74,7 +81,7 @@ def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = No
         if sharding is FsdpSharding.no_shard:
             group = 1
         params = 4 if sharding is FsdpSharding.shard_grad_op else 4 / group
-        grads, opt = 4 / group, 8 / group
+        grads, opt = 4 / group, state / group
         if s.cpu_offload:
             params = grads = opt = 0
     if s.offload_optimizer is not Offload.none:
@@ -117,9 +124,9 @@ def activation_memory(cfg: RunConfig, facts) -> float | None:
     return per_token * cfg.trainer.batch_size * cfg.data.block_size
 
 
-def device_memory(n_params: int, cfg: RunConfig, facts) -> Memory:
-    """Per device: model states and (estimated) activations."""
-    states = model_state_memory(n_params, cfg, facts.trainable, facts.quantized, facts.tp_split)
+def device_memory(n_params: int, cfg: RunConfig, facts, optimizer_state: float | None = None) -> Memory:
+    """Per device: model states (`optimizer_state`: as model_state_memory) and (estimated) activations."""
+    states = model_state_memory(n_params, cfg, facts.trainable, facts.quantized, facts.tp_split, optimizer_state)
     return replace(states, activations=activation_memory(cfg, facts))
 
 
@@ -175,8 +182,8 @@ def _changed(cfg: RunConfig, candidate: RunConfig) -> list[str]:
     return out
 
 
-def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float,
-                 own_strategy_only: bool = False) -> tuple[str, Memory] | None:
+def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float, own_strategy_only: bool = False,
+                 optimizer_state: float | None = None) -> tuple[str, Memory] | None:
     """The smallest change under which the plan fits `device_bytes`: the fewest settings changed (another strategy
     or offload, activation checkpointing, more tensor parallelism, a smaller micro-batch with more accumulation:
     the same effective batch; `own_strategy_only`: the micro-batch alone) and of those the one that keeps the most
@@ -192,7 +199,7 @@ def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float,
                     accum = cfg.trainer.grad_accum * cfg.trainer.batch_size // batch
                     candidate = replace(cfg, strategy=replace(strategy, activation_checkpointing=checkpointing, tp=tp),
                                         trainer=replace(cfg.trainer, batch_size=batch, grad_accum=accum))
-                    memory = device_memory(n_params, candidate, facts)
+                    memory = device_memory(n_params, candidate, facts, optimizer_state)
                     if memory.total <= device_bytes:
                         changes = _changed(cfg, candidate)
                         found.append((len(changes), -memory.total, " ".join(changes) or f"strategy={strategy.name.value}",

@@ -76,6 +76,12 @@ def of(cfg: RunConfig) -> Mesh:
     return Mesh(dp_replicate=replicas, dp_shard=world // (replicas * s.tp), tp=s.tp)
 
 
+def effective_batch(cfg: RunConfig) -> int:
+    """What one optimizer step trains on (sequences, examples): the micro-batch x grad_accum x the data-parallel
+    ranks (a tensor-parallel group's ranks share one batch)."""
+    return cfg.trainer.batch_size * cfg.trainer.grad_accum * of(cfg).data_parallel
+
+
 def resolve(cfg: RunConfig) -> RunConfig:
     """`strategy.dp_replicate=auto` -> the number of nodes (one replica per node, shards within it)."""
     s = cfg.strategy

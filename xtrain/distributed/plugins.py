@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from xtrain.config.schema import Fp8Backend, ModelSource, Offload, Precision, RunConfig, StateDictType, Strategy
 from xtrain.config.strategy import StrategyConfig
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import compiling, fp8
+from xtrain.distributed import compiling, fp8, mesh
 
 ZERO_STAGE = {Strategy.zero1: 1, Strategy.zero2: 2, Strategy.zero3: 3}
 MIXED_PRECISION = {Precision.fp32: "no", Precision.fp16: "fp16", Precision.bf16: "bf16", Precision.fp8: "fp8"}
@@ -109,7 +109,7 @@ def deepspeed_config(cfg: RunConfig, facts: ModelFacts, user: dict | None = None
     ours = {
         "train_micro_batch_size_per_gpu": t.batch_size,
         "gradient_accumulation_steps": t.grad_accum,
-        "train_batch_size": t.batch_size * t.grad_accum * cfg.cluster.world_size,
+        "train_batch_size": mesh.effective_batch(cfg),  # (ZeRO: every rank a data-parallel rank)
         "gradient_clipping": t.max_grad_norm,
         "fp16": {
             "enabled": precision is Precision.fp16,

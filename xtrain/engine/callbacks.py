@@ -8,15 +8,20 @@ Lightning's, and each gets the run's `State` (what a hook may read, and `request
 | `on_validation_end(state, metrics)` | after each eval, with its values (`{"val_loss": ..., "val_<metric>": ...}`) |
 | `on_save_checkpoint(state, path)` | after each checkpoint is saved, with its directory |
 | `on_train_end(state)` | when training ends: completed, or stopped early |
+| `on_exception(state, error)` | when the run fails (the exception) or is interrupted (a stop signal: `KeyboardInterrupt`) |
 
 A hook runs on the main process, or on every rank where the callback sets `every_rank = True`. `state.request_stop`
 ends the run at this step boundary: every rank agrees (the main process's request), saves the step's checkpoint and
 exports the model, and the run is `completed` with `callback_stop` in result.json. An exception in a hook ends the run
-`failed`, in one line that names the callback and the hook.
+`failed`, in one line that names the callback and the hook (one in `on_exception` is logged: the run's own error
+stands). Before anything launches, a method named like a hook (`on_*`) that is not one, and a hook that cannot take
+its arguments, are refused in one line.
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +33,9 @@ from xtrain.core.errors import CallbackFailed, ConfigError
 
 log = logging.getLogger("xtrain")
 
-HOOKS = ("on_train_start", "on_train_batch_end", "on_validation_end", "on_save_checkpoint", "on_train_end")
+# each hook and what it is given after the state
+HOOKS = {"on_train_start": (), "on_train_batch_end": ("loss",), "on_validation_end": ("metrics",),
+         "on_save_checkpoint": ("path",), "on_train_end": (), "on_exception": ("error",)}
 CALLBACK_STOP = "a callback"  # the `signal` of a run's stop record when a callback asked for it
 
 
@@ -52,26 +59,43 @@ class State:
 
 def build(cfg: RunConfig, main: bool) -> list[tuple[str, object]]:
     """The callbacks this rank runs: (how an error names it, the object)."""
-    from xtrain.tasks.custom import call, importable
+    from xtrain.tasks.targets import call, importable
 
     importable(cfg.task.code_dir)
     built = []
     for i, node in enumerate(cfg.trainer.callbacks):
         callback = call(f"trainer.callbacks[{i}]", dict(node))
-        if not any(callable(getattr(callback, hook, None)) for hook in HOOKS):
-            raise _no_hooks(i, node)
+        check_hooks(f"trainer.callbacks[{i}]._target_={node['_target_']}", callback)
         if main or getattr(callback, "every_rank", False):
             built.append((f"trainer.callbacks[{i}] ({node['_target_']})", callback))
     return built
 
 
-def _no_hooks(i: int, node: dict) -> ConfigError:
-    return ConfigError(f"trainer.callbacks[{i}]._target_={node['_target_']}: has none of the hooks "
-                       f"{', '.join(HOOKS)}")
+def check_hooks(name: str, callback) -> None:
+    """The callback has a hook; each method named like one (`on_*`) is one (a Lightning name such as
+    `on_validation_epoch_end` would never be called); each hook takes what it is given."""
+    methods = [m for m in dir(callback) if m.startswith("on_") and callable(getattr(callback, m, None))]
+    for method in methods:
+        if method not in HOOKS:
+            near = difflib.get_close_matches(method, list(HOOKS), n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]}? " if near else ""
+            raise ConfigError(f"{name}: {method} is not a hook xtrain calls, so it would never run; {hint}"
+                              f"(the hooks: {', '.join(HOOKS)})")
+    if not methods:
+        raise ConfigError(f"{name}: has none of the hooks {', '.join(HOOKS)}")
+    for method in methods:
+        given = HOOKS[method]
+        try:
+            inspect.signature(getattr(callback, method)).bind("state", *given)
+        except TypeError:
+            raise ConfigError(f"{name}: {method} cannot be called as {method}({', '.join(('state', *given))}), as "
+                              "xtrain calls it") from None
+        except ValueError:  # no signature to read (a builtin): called as it is
+            pass
 
 
 def check(cfg: RunConfig) -> None:
-    """On the driver, before anything launches: every callback imports, builds and has a hook."""
+    """On the driver, before anything launches: every callback imports, builds and has hooks it can take."""
     build(cfg, main=True)
 
 
@@ -96,6 +120,14 @@ class Callbacks:
             except Exception as err:
                 text = " ".join(str(err).split())[:300]
                 raise CallbackFailed(f"{name}.{hook} raised {type(err).__name__}: {text}") from err
+
+    def exception(self, step: int, result: dict, error: BaseException) -> None:
+        """Each callback's `on_exception`: the run failed with `error`, or was interrupted. The run's own error stands:
+        a hook that raises here is logged."""
+        try:
+            self.call("on_exception", step, result, error)
+        except CallbackFailed as err:
+            log.error("%s", err)
 
     def stop_asked(self) -> str | None:
         """The main process's callbacks' stop request, the same on every rank (a broadcast where there are callbacks

@@ -93,7 +93,7 @@ def keep_effective_batch(cfg):
     if kept.trainer.grad_accum != cfg.trainer.grad_accum:
         log.info("resume: %d data-parallel processes (the checkpoint's: %d): trainer.grad_accum %d -> %d keeps its "
                  "effective batch of %d", mesh.of(cfg).data_parallel, mesh.of(schema.from_container(recorded)).data_parallel,
-                 cfg.trainer.grad_accum, kept.trainer.grad_accum, resume.effective_batch(kept))
+                 cfg.trainer.grad_accum, kept.trainer.grad_accum, mesh.effective_batch(kept))
     return kept
 
 

@@ -83,7 +83,7 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
         )
     test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
     # the same order at any world size, without a Python list of every epoch
-    sampler.lean(train_loader, t.batch_size * t.grad_accum * mesh.data_parallel_size(accelerator))
+    sampler.lean(train_loader, mesh.effective_batch(cfg))
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,

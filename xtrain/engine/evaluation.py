@@ -18,6 +18,7 @@ from xtrain.config.schema import RunConfig, TrainerConfig
 from xtrain.core.files import write_atomic
 from xtrain.core.rundir import EVALS, checkpoint_name
 from xtrain.distributed import mesh
+from xtrain.engine import sampler
 from xtrain.tasks import metrics
 from xtrain.tasks.base import Task
 
@@ -66,7 +67,8 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dic
     start = time.perf_counter()
     values, _ = evaluate(accelerator, c.task, c.model, c.val_loader)
     scalars = {name: value for name, value in values.items() if metrics.is_scalar(value)}
-    accelerator.log({f"val/{name}": value for name, value in scalars.items()}, step=step)
+    epoch = sampler.epochs(step, cfg.trainer.grad_accum, c.train_loader)
+    accelerator.log({**{f"val/{name}": value for name, value in scalars.items()}, "epoch": epoch}, step=step)
     directions = c.task.directions()
     for name, value in scalars.items():
         key = f"val_{name}"

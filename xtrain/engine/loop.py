@@ -26,6 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from xtrain.config import schema
 from xtrain.config.schema import Export, Precision, RunConfig
 from xtrain.core import machine, memory, rundir, stopping
+from xtrain.core.errors import one_line
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
 from xtrain.distributed import compiling, fp8, mesh, plugins
@@ -104,19 +105,17 @@ class Run:
         if accelerator.is_main_process:
             checkpoint.remove_partial(run_dir)
         self.c = c = build_components(cfg, accelerator, task)
-        t = cfg.trainer
-        c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process,
-                                    t.batch_size * t.grad_accum * mesh.data_parallel_size(accelerator))
+        c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process, mesh.effective_batch(cfg))
         model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
         last_logged, changed = self.restore()
         self.start_step = start = self.progress.step
+        c.speed = measure_speed(cfg, accelerator, c, c.n_params)
+        c.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
         trackers = tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start, last_logged)
         accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg), init_kwargs=trackers)
         self.result = reporting.first_result(cfg, accelerator, c, self.resumed_from, start, n_params_meta, facts)
         self.result["peak_rss_model_ready_bytes"] = model_ready
-        self.record_start(last_logged, changed)
-        c.speed = measure_speed(cfg, accelerator, c, c.n_params)
-        c.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
+        self.record_start(last_logged, changed)  # (from here on, whatever ends the run is recorded: `train`)
 
     def train(self) -> dict:
         """A first eval (on a fresh start), then optimizer steps up to `trainer.max_steps`, each followed by its log
@@ -127,12 +126,12 @@ class Run:
             sampler.micro_batches(self.accelerator, c.train_loader, p.step * t.grad_accum), self.accelerator, self.result
         )
         self.train_start, self.seen_at_start, stop = time.time(), p.seen, None
-        c.callbacks.call("on_train_start", p.step, self.result)
-        if p.step == 0:
-            self.first_eval()
         self.bar = bar = self.progress_bar()
         try:
             with logging_redirect_tqdm():
+                c.callbacks.call("on_train_start", p.step, self.result)
+                if p.step == 0:
+                    self.first_eval()
                 for step in range(p.step + 1, t.max_steps + 1):
                     signal = self.step(batches)
                     bar.update(1)
@@ -244,6 +243,7 @@ class Run:
         if "time_to_first_step_s" not in self.result:
             reporting.note_first_step(self.result, self.process_start)
         self.result["steps"], self.result["skipped_steps"] = p.step, p.skipped
+        self.result["epoch"] = sampler.epochs(p.step, t.grad_accum, self.c.train_loader)
         return signal
 
     def loss_read_due(self, signal: bool) -> bool:
@@ -263,7 +263,7 @@ class Run:
         if step % t.log_every == 0 or last:
             c.speed.add(p.window.count, p.window.train_s)
             self.result["train_loss"] = reporting.log_train(accelerator, p.window, step, t.max_steps, p.seen, p.skipped,
-                                                            c.task.throughput_unit, c.speed)
+                                                            c.task.throughput_unit, c.speed, self.result["epoch"])
             self.bar.set_postfix(loss=f"{self.result['train_loss']:.3f}", refresh=False)
             p.window = reporting.Window()
         if step % t.eval_every == 0 or last:
@@ -303,6 +303,9 @@ class Run:
             request = {"signal": CALLBACK_STOP, "reason": p.callback_stop, "at": time.time()}
         why = f" ({request['reason']})" if request.get("reason") else ""
         log.info("step %d | stopped by %s%s: checkpoint saved", p.step, request["signal"], why)
+        if request["signal"] not in (pruning.PRUNER, EARLY_STOP, CALLBACK_STOP):  # interrupted, to resume later
+            self.c.callbacks.exception(p.step, self.result, KeyboardInterrupt(
+                f"stopped by {request['signal']} at step {p.step}; its checkpoint is saved"))
         return {**request, "step": p.step}
 
     def conclude(self, stop: dict | None) -> None:
@@ -316,9 +319,12 @@ class Run:
         self.c.callbacks.call("on_train_end", self.progress.step, self.result)
 
     def record_failure(self, err: BaseException) -> None:
+        """Whatever ended the run after it started, in result.json (`failed`, or `interrupted` by a signal) with its
+        one-line error; the callbacks' `on_exception`."""
         stopped = isinstance(err, KeyboardInterrupt) or self.accelerator.num_processes > 1 and stopping.driver_gone()
         self.result["status"] = Status.interrupted if stopped else Status.failed
-        self.result["error"] = f"{type(err).__name__}: {err}"
+        self.result["error"] = one_line(err)
+        self.c.callbacks.exception(self.progress.step, self.result, err)
         if self.accelerator.is_main_process:
             rundir.update_result(self.run_dir, self.result)
 
@@ -363,6 +369,9 @@ class Run:
         path = checkpoint.save(self.accelerator, self.run_dir, p.step, state, cfg.trainer.keep_checkpoints,
                                cfg.model.lora.enabled)
         log.info("step %d | checkpoint saved: %s", p.step, path)
+        self.result["checkpoint_step"] = p.step  # what a kill from here on resumes from
+        if self.accelerator.is_main_process:
+            rundir.update_result(self.run_dir, self.result)
         self.c.callbacks.call("on_save_checkpoint", p.step, None, path)
 
     def save_model(self) -> None:
@@ -372,6 +381,8 @@ class Run:
         result["model_step"], result["model_eval"] = step, scores(result, step)
         if c.test_loader is not None:  # the test split, on the model model/ keeps (a collective)
             result["model_test"] = evaluation.run_test(accelerator, c, step, self.run_dir)
+            if accelerator.is_main_process:
+                result["eval_files"] = evaluation.eval_files(self.run_dir)
         state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
         if not accelerator.is_main_process:
             return  # (ZeRO-3 consolidates on the main process only: here it is None)

@@ -1,8 +1,11 @@
 """The optimizer and its schedule: AdamW, linear warmup, cosine decay (trainer.* settings), or the user's own by
-`_target_` (`trainer.optimizer`, `trainer.scheduler`)."""
+`_target_` (`trainer.optimizer`, `trainer.scheduler`). `trainer.lr` is the peak rate either way: a schedule that takes
+its own peak (`max_lr`: OneCycleLR, CyclicLR) gets it where its node leaves it unset, as `total_steps` gets
+`trainer.max_steps`."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -10,9 +13,12 @@ import torch
 from xtrain.config.schema import Offload, RunConfig, TrainerConfig
 from xtrain.config.task import given
 from xtrain.distributed.cpu_seams import zero_on_cpu
-from xtrain.tasks.custom import importable
+from xtrain.tasks.targets import call, importable, resolve, takes
+
+log = logging.getLogger("xtrain")
 
 TOTAL_STEPS = ("total_steps", "num_training_steps", "T_max", "total_iters")  # filled from trainer.max_steps
+PEAK_RATES = ("max_lr",)  # a schedule's own peak rate (OneCycleLR, CyclicLR): filled from trainer.lr
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
@@ -49,9 +55,6 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 def users_optimizer(node: dict, groups: list, params: list, trainer: TrainerConfig) -> torch.optim.Optimizer:
     """`trainer.optimizer`: the decay/no-decay groups with `trainer.weight_decay` (all parameters in one group where
     the node gives its own `weight_decay`, or the optimizer takes none) and `trainer.lr` unless the node gives one."""
-    from xtrain.tasks.custom import call, takes
-    from xtrain.tasks.metrics import resolve
-
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
     target = node["_target_"]
     if "weight_decay" in kwargs or not takes(resolve("trainer.optimizer", target), "weight_decay"):
@@ -66,12 +69,24 @@ def build_scheduler(optimizer, trainer: TrainerConfig):
     node = given(trainer.scheduler)
     if node is None:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, trainer))
-    from xtrain.tasks.custom import call, takes
-    from xtrain.tasks.metrics import resolve
-
     target = resolve("trainer.scheduler", node["_target_"])
     totals = {name: trainer.max_steps for name in TOTAL_STEPS if name not in node and takes(target, name)}
-    return call("trainer.scheduler", node, optimizer=optimizer, **totals)
+    peaks = {name: trainer.lr for name in PEAK_RATES if name not in node and takes(target, name)}
+    return call("trainer.scheduler", node, optimizer=optimizer, **totals, **peaks)
+
+
+def lr_unused(trainer: TrainerConfig) -> str | None:
+    """Why `trainer.lr` does nothing in this run (the rate is set elsewhere), or None where it is the peak rate."""
+    node = given(trainer.scheduler)
+    if node is not None:
+        target = resolve("trainer.scheduler", node["_target_"])
+        for name in PEAK_RATES:
+            if takes(target, name):
+                return f"trainer.scheduler.{name}={node[name]} sets the peak rate" if name in node else None
+    node = given(trainer.optimizer)
+    if node is not None and "lr" in node:
+        return f"trainer.optimizer.lr={node['lr']} sets the rate"
+    return None
 
 
 def check(cfg: RunConfig) -> None:
@@ -84,6 +99,29 @@ def check(cfg: RunConfig) -> None:
         optimizer = (users_optimizer(node, [{"params": params}], params, cfg.trainer) if node is not None
                      else torch.optim.AdamW(params, lr=cfg.trainer.lr))
         build_scheduler(optimizer, cfg.trainer)
+        unused = lr_unused(cfg.trainer)
+        if unused:
+            log.warning("trainer.lr=%g is not used: %s", cfg.trainer.lr, unused)
+
+
+def state_bytes(cfg: RunConfig) -> float | None:
+    """The bytes a parameter the run's own optimizer (`trainer.optimizer`) keeps as state: measured on a stand-in
+    fp32 parameter after one step (SGD 0, with momentum 4, Adagrad 4, Adam 8). None for the default AdamW (the
+    estimate's own figure) and for an optimizer that cannot step so (one that needs a closure: LBFGS)."""
+    node = given(cfg.trainer.optimizer)
+    if node is None:
+        return None
+    importable(cfg.task.code_dir)
+    weight = torch.nn.Parameter(torch.zeros(64, 64))
+    optimizer = users_optimizer(node, [{"params": [weight]}], [weight], cfg.trainer)
+    weight.grad = torch.full_like(weight, 1e-3)
+    try:
+        optimizer.step()
+    except Exception:  # (its own error shows when the run steps it)
+        return None
+    held = [value for state in optimizer.state.values() for value in state.values()  # (not a step counter)
+            if torch.is_tensor(value) and value.numel() > 1]
+    return sum(value.numel() * value.element_size() for value in held) / weight.numel()
 
 
 def lr_factor(step: int, trainer: TrainerConfig) -> float:

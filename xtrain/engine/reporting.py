@@ -20,6 +20,7 @@ from xtrain.core import machine, memory, rundir
 from xtrain.core.rundir import Status
 from xtrain.distributed import compiling, mesh, plugins
 from xtrain.distributed.estimate import model_state_memory
+from xtrain.engine import optim, sampler
 from xtrain.engine.accelerator import fsdp_units
 
 log = logging.getLogger("xtrain")
@@ -39,10 +40,10 @@ class Window:
 
 
 def log_train(accelerator, window: Window, step: int, max_steps: int, seen: int, skipped: int, unit: str,
-              speed) -> float:
+              speed, epoch: float) -> float:
     """Log the window's mean train loss (over every rank), the rate its last step used, its throughput (and MFU
-    where known), the steps done and the time left at the window's pace (its evals and saves included); returns
-    the loss."""
+    where known), the epochs, the steps done and the time left at the window's pace (its evals and saves included);
+    returns the loss."""
     train_loss = window.loss_sum / window.steps
     per_s = window.count / window.train_s if window.train_s > 0 else 0.0
     metrics = {
@@ -51,14 +52,15 @@ def log_train(accelerator, window: Window, step: int, max_steps: int, seen: int,
         f"train/{unit}_per_s": per_s,
         f"train/{unit}_seen": seen,
         "train/skipped_steps": skipped,  # optimizer steps the fp16 loss scaler skipped (overflow), so far
+        "epoch": epoch,
     }
     mfu = speed.mfu(per_s)
     if mfu is not None:
         metrics["train/mfu"] = mfu
     accelerator.log(metrics, step=step)
     per_step = (time.perf_counter() - window.began) / max(1, window.steps)
-    log.info("step %d | loss %.4f | lr %.2e | %s %s/s%s | %d/%d steps, eta %s", step, train_loss, metrics["train/lr"],
-             rate(per_s), unit, "" if mfu is None else f" | mfu {mfu:.1%}", step, max_steps,
+    log.info("step %d | loss %.4f | lr %.2e | %s %s/s%s | epoch %.2f | %d/%d steps, eta %s", step, train_loss,
+             metrics["train/lr"], rate(per_s), unit, "" if mfu is None else f" | mfu {mfu:.1%}", epoch, step, max_steps,
              duration((max_steps - step) * per_step))
     return train_loss
 
@@ -111,10 +113,11 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
     """result.json as the loop starts (status `running`), and the run's header line."""
     t, world, layout = cfg.trainer, accelerator.num_processes, mesh.of(cfg)
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
+    per_epoch = sampler.steps_per_epoch(t.grad_accum, c.train_loader)
     log.info(
-        "model %.2fM params%s | %d train / %d val %s | %s | effective batch %d %s",
+        "model %.2fM params%s | %d train / %d val %s | %s | effective batch %d %s, %s an epoch",
         c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, processes(world, cfg.strategy.name.value, layout),
-        t.batch_size * t.grad_accum * layout.data_parallel, c.task.batch_unit,
+        mesh.effective_batch(cfg), c.task.batch_unit, f"{per_epoch} steps" if per_epoch else "less than a step",
     )
     if c.fp8 is not None:
         log.info(c.fp8.words())
@@ -124,9 +127,11 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
         "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
-        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized).total,
+        "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized,
+                                                         optimizer_state=optim.state_bytes(cfg)).total,
         "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
-        "mesh": layout.as_dict(), "data_parallel_size": layout.data_parallel,
+        "mesh": layout.as_dict(), "data_parallel_size": layout.data_parallel, "effective_batch": mesh.effective_batch(cfg),
+        "steps_per_epoch": per_epoch,
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
     own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores(), memory.parameter_bytes(c.model))

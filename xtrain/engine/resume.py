@@ -75,10 +75,6 @@ class Change:
         return not any(self.key == c or (c.endswith(".") and self.key.startswith(c)) for c in CADENCE_OR_PLACEMENT)
 
 
-def effective_batch(cfg: RunConfig) -> int:
-    return cfg.trainer.batch_size * cfg.trainer.grad_accum * mesh.of(cfg).data_parallel
-
-
 def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> RunConfig:
     """`cfg` resumed from a checkpoint trained with `recorded`: with the grad_accum that keeps the checkpoint's
     effective batch on this run's data-parallel processes (a ConfigError where no whole grad_accum does). The
@@ -87,9 +83,9 @@ def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> Ru
         return cfg
     saved, t = schema.from_container(recorded), cfg.trainer
     before, now = mesh.of(saved).data_parallel, mesh.of(cfg).data_parallel
-    if t.batch_size != saved.trainer.batch_size or effective_batch(cfg) == effective_batch(saved):
+    if t.batch_size != saved.trainer.batch_size or mesh.effective_batch(cfg) == mesh.effective_batch(saved):
         return cfg  # (another batch size: a change of what trains, refused by `changes`)
-    effective = effective_batch(saved)
+    effective = mesh.effective_batch(saved)
     if effective % (t.batch_size * now):
         raise ConfigError(
             f"{what} with an effective batch of {effective} (trainer.batch_size {t.batch_size} x {before} "
@@ -104,7 +100,7 @@ def changes(recorded: dict, now: dict) -> list[Change]:
     effective batch on another world is where it runs, not what trains."""
     found = _differences(recorded, now)
     if any(c.key == "trainer.grad_accum" for c in found):
-        same = effective_batch(schema.from_container(recorded)) == effective_batch(schema.from_container(now))
+        same = mesh.effective_batch(schema.from_container(recorded)) == mesh.effective_batch(schema.from_container(now))
         found = [replace(c, kept_batch=same) if c.key == "trainer.grad_accum" else c for c in found]
     return found
 

@@ -51,6 +51,16 @@ def lean(loader, effective_batch: int) -> None:
     loader.set_sampler(replacement)
 
 
+def epochs(step: int, grad_accum: int, loader) -> float:
+    """The epochs trained after `step` optimizer steps (1.5: half-way through the second), as the log, metrics.jsonl
+    and result.json give them: the same at any world size that keeps the effective batch."""
+    return round(step * grad_accum / len(loader), 4)
+
+
+def steps_per_epoch(grad_accum: int, loader) -> int:
+    return len(loader) // grad_accum
+
+
 def micro_batches(accelerator, loader, start: int):
     """Endless micro-batches over epochs, starting at micro-batch `start` (resume skips, never replays)."""
     epoch, offset = divmod(start, len(loader))

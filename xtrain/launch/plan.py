@@ -13,6 +13,7 @@ from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.distributed import mesh, plugins
 from xtrain.distributed.estimate import GB, Memory, device_memory, smallest_fit
+from xtrain.engine import optim
 from xtrain.launch import hardware
 from xtrain.tasks.facts import model_facts
 
@@ -31,6 +32,7 @@ class Plan:
     plugin_settings: dict
     on_cpu: bool = False  # device_memory_gb is RAM, which the processes of a machine share
     job_nodes: bool = False  # ... a SLURM job's nodes' (cluster.mem_gb), not this machine's
+    optimizer_state: float | None = None  # bytes a parameter the run's own optimizer keeps (measured); None: AdamW's
 
     @property
     def sharing(self) -> int:
@@ -56,12 +58,14 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb
         settings = plugins.fsdp_settings(cfg.strategy, facts)
     else:
         settings = {}
-    memory = device_memory(n_params, cfg, facts)
+    state = optim.state_bytes(cfg)
+    memory = device_memory(n_params, cfg, facts, state)
     on_cpu = job_nodes or ram_gb is not None and not cfg.cluster.gpu_memory_gb
     device_gb = ram_gb if on_cpu else cfg.cluster.gpu_memory_gb or local_gpu_gb
-    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu, job_nodes)
+    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu, job_nodes, state)
     if plan.fits is False:
-        plan.fit = smallest_fit(n_params, cfg, facts, device_gb * GB / plan.sharing, own_strategy_only=on_cpu)
+        plan.fit = smallest_fit(n_params, cfg, facts, device_gb * GB / plan.sharing, own_strategy_only=on_cpu,
+                                optimizer_state=state)
     return plan
 
 
@@ -117,7 +121,7 @@ def not_fitting(plan: Plan) -> str:
 def render(plan: Plan) -> str:
     cfg, t, c = plan.cfg, plan.cfg.trainer, plan.cfg.cluster
     layout = mesh.of(cfg)
-    effective = t.batch_size * t.grad_accum * layout.data_parallel
+    effective = mesh.effective_batch(cfg)
     m = plan.memory
     lines = [
         "xtrain plan (dry run: nothing was launched)",
@@ -134,8 +138,7 @@ def render(plan: Plan) -> str:
         f"optimizer {optimizer(cfg)}",
         f"  memory       per {'process' if plan.on_cpu else 'device'}: weights {size(m.params)} + gradients "
         f"{size(m.grads)} + optimizer {size(m.optimizer)} = {size(m.states)} model states",
-        "               (Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master copy, "
-        "fp32 4+4+8; FSDP and DDP keep fp32 weights and gradients: 4+4+8)",
+        f"               ({optimizer_state_words(plan)})",
     ]
     if m.activations is None:
         lines.append("               activations: not estimated for this model (not included)")
@@ -204,6 +207,18 @@ def fp8_words(cfg: RunConfig, facts) -> str:
     if not plugins.torchao_fp8(cfg):
         return ""
     return f" (torchao, {cfg.precision.fp8_recipe.value}: {len(facts.fp8_layers)} linear layers in fp8)"
+
+
+def optimizer_state_words(plan: Plan) -> str:
+    """How the optimizer's bytes a parameter were counted: AdamW's, or the run's own optimizer's as measured."""
+    if plan.optimizer_state is None:
+        unmeasured = f"{optimizer(plan.cfg)}: not measured, so " if given(plan.cfg.trainer.optimizer) else ""
+        return (f"{unmeasured}Adam; bytes/param weights+grads+optimizer: mixed precision 2+2+12 incl. fp32 master "
+                "copy, fp32 4+4+8; FSDP and DDP keep fp32 weights and gradients: 4+4+8")
+    state = f"{plan.optimizer_state:g}"
+    return (f"{optimizer(plan.cfg)}: {state} bytes of state a parameter, measured; bytes/param weights+grads+optimizer: "
+            f"mixed precision 2+2+(4+{state}) incl. fp32 master copy, fp32 4+4+{state}; FSDP and DDP keep fp32 weights "
+            f"and gradients: 4+4+{state}")
 
 
 def optimizer(cfg: RunConfig) -> str:

@@ -21,6 +21,7 @@ import yaml
 from xtrain.config import schema
 from xtrain.config.cluster import ClusterConfig, ClusterKind
 from xtrain.config.schema import Offload, RunConfig
+from xtrain.config.task import check_monitor
 from xtrain.core import machine, rundir
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
@@ -61,7 +62,9 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
             f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
             "install them (apt-get install libaio-dev) or offload to cpu instead"
         )
-    task_for(cfg).check()
+    task = task_for(cfg)
+    arrays = task.check()  # (the metrics first: the monitor names one of what they compute)
+    check_monitor(cfg.trainer, cfg.task, task.directions(), arrays)
     callbacks.check(cfg)
     optim.check(cfg)
     _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model

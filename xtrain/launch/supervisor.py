@@ -281,9 +281,10 @@ def run(cluster: ClusterConfig, run_dir: Path) -> dict:
         if error is None:
             raise LaunchFailed(f"torchrun exited with code {code} before any worker reported (see {run_dir / 'logs'})", 1)
         if error["config_error"]:  # (a metric that cannot take its inputs, found at the first eval)
-            rundir.record_end(run_dir, "failed", error["summary"], started_only=True)
+            rundir.record_end(run_dir, "failed", error["summary"], started_only=True, a_rank_failed=True)
             raise ConfigError(error["summary"])
-        rundir.record_end(run_dir, "failed", f"rank {error['rank']}: {error['summary']}", started_only=True)
+        rundir.record_end(run_dir, "failed", f"rank {error['rank']}: {error['summary']}", started_only=True,
+                          a_rank_failed=True)
         if not error.get("one_line", error.get("diverged")):  # that one line says it all
             sys.stderr.write(error["traceback"])
         raise LaunchFailed(

@@ -28,6 +28,7 @@ from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, SweepFailed
 from xtrain.core.files import write_atomic
 from xtrain.core.rundir import Status
+from xtrain.distributed import mesh
 from xtrain.engine import study_settings
 from xtrain.sweeps import search_space, summary, sweep
 from xtrain.sweeps import sweep_dir as sweep_dir_kept
@@ -73,18 +74,17 @@ class Study:
                 raise ConfigError(f"the search space's corner {' '.join(swept)} cannot run: "
                                   f"{str(err).split(': ', 1)[-1]}") from None
         self.corners = points
-        self.s.examples_per_step = min(p.cfg.trainer.batch_size * p.cfg.trainer.grad_accum * p.cfg.cluster.world_size
-                                       for p in points)
+        self.s.examples_per_step = min(mesh.effective_batch(p.cfg) for p in points)
         objective = self.s.objective
         if objective.startswith("val_"):
-            from xtrain.config.task import eval_values
+            from xtrain.config.task import check_one_number
             from xtrain.tasks.registry import task_for
 
-            computed = eval_values(points[0].cfg.task)
-            if objective not in computed:
-                raise ConfigError(f"hydra.sweeper.objective={objective}: the task does not compute it; it computes "
-                                  f"{', '.join(computed)}")
-            known = task_for(points[0].cfg).directions().get(objective)
+            setting, task = f"hydra.sweeper.objective={objective}", task_for(points[0].cfg)
+            check_one_number(setting, objective, points[0].cfg.task)
+            if objective not in ("val_loss", "val_ppl"):  # a metric: one number only where its probe gives one
+                check_one_number(setting, objective, points[0].cfg.task, task.check())
+            known = task.directions().get(objective)
             if known is not None and known != self.s.direction:
                 better = "higher" if known == "maximize" else "lower"
                 raise ConfigError(f"hydra.sweeper.direction={self.s.direction}: {objective} is better when {better}; "
@@ -103,6 +103,8 @@ class Study:
               f"{s.objective}; sampler {s.sampler['_target_'].split('.')[-1]}, pruner {s.pruner}; storage {s.storage}")
         for key, distribution in self.space.distributions.items():
             print(f"  {key}: {distribution}")
+        print(f"  the pruner compares trials at equal examples seen: each reports its evals at the steps of a trial of "
+              f"{s.examples_per_step} examples a step (the space's smallest effective batch)")
         for point, text in zip(self.corners, self.plans):
             print(f"\ncorner ({point.label}):\n{text}")
         if self.on_slurm:

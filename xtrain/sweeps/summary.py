@@ -17,8 +17,10 @@ from pathlib import Path
 
 import yaml
 
+from xtrain.config import schema
 from xtrain.config.task import block_tokens, known_direction
 from xtrain.core import rundir
+from xtrain.distributed import mesh
 from xtrain.core.files import write_atomic
 from xtrain.engine import study_settings
 
@@ -74,11 +76,11 @@ def run_row(path: Path, objective: str | None = None) -> dict:
     for column, key in (("peak_rss_mb", "peak_rss_bytes"), ("peak_device_mb", "peak_device_memory_bytes")):
         every_rank = result.get(key) or []  # the largest rank's
         row[column] = round(max(every_rank) / 2**20) if every_rank else ""
-    if row["status"] == rundir.Status.running:  # its progress so far
+    if row["status"] in (rundir.Status.running, rundir.LOST):  # its progress so far (as far as it was logged)
         row["steps"], row["train_loss"] = latest_train_row(path)
     if cfg:
         world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
-        sequences = cfg["trainer"]["batch_size"] * cfg["trainer"]["grad_accum"] * world
+        sequences = result.get("effective_batch") or mesh.effective_batch(schema.load(str(path / rundir.RUN_CONFIG)))
         block = block_tokens(cfg.get("task", {}).get("name", "causal_lm"), cfg["data"])
         row.update(batch_sequences=sequences, batch_tokens=sequences * block if block else "",
                    world_size=result.get("world_size", world))

@@ -24,10 +24,11 @@ from xtrain.config.schema import TrainerConfig
 from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, SweepFailed, explain
 from xtrain.core.rundir import Status
-from xtrain.engine import reporting, resume
+from xtrain.engine import optim, reporting, resume
 from xtrain.launch import preflight
 from xtrain.sweeps import summary
 from xtrain.sweeps import sweep_dir as sweep_dir_kept
+from xtrain.tasks.targets import importable
 
 log = logging.getLogger("xtrain")
 
@@ -72,7 +73,24 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
         raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
     except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
         raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, schema.setting_names())}") from None
+    try:
+        check_swept_lr(swept, cfg)
+    except ConfigError as err:
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
     return Point(num, swept, cfg)
+
+
+def check_swept_lr(swept: list[str], cfg) -> None:
+    """A sweep over `trainer.lr` where the rate is set elsewhere would train every point alike: refused."""
+    swept_lr = [o for o in swept if o.partition("=")[0].lstrip("+") == "trainer.lr"]
+    if not swept_lr:
+        return
+    importable(cfg.task.code_dir)
+    unused = optim.lr_unused(cfg.trainer)
+    if unused:
+        setting = unused.partition("=")[0]
+        raise ConfigError(f"{swept_lr[0]}: swept, but {unused}, so every point would train alike; sweep {setting} "
+                          "instead, or leave it unset so that it takes trainer.lr")
 
 
 def completed(path: Path, trainer: TrainerConfig) -> bool:

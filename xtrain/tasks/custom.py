@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -25,27 +23,11 @@ from xtrain.core.errors import ConfigError
 from xtrain.data.collate import CastFloat64
 from xtrain.tasks import metrics as built_in
 from xtrain.tasks.base import TaskData
+from xtrain.tasks.targets import call, check_keywords, importable, resolve, takes
 
 TARGET_KEYS = ("target", "label", "labels")
 MODEL_FILE, MODEL_NODE = "model.safetensors", "model.json"
 PROBE_VAL = 256  # val items the driver puts through the metrics before launching
-
-
-def importable(code_dir: str | None) -> None:
-    """The user's modules (the directory the command ran from) importable in this process."""
-    where = code_dir or os.getcwd()
-    if where not in sys.path:
-        sys.path.insert(0, where)
-
-
-def call(key: str, node: dict, **extra):
-    """The callable a `{_target_, **kwargs}` node names, called with its arguments; a failure is one line."""
-    target = built_in.resolve(key, node["_target_"])
-    kwargs = {k: v for k, v in node.items() if k != "_target_"}
-    try:
-        return target(**kwargs, **extra)
-    except Exception as err:
-        raise ConfigError(f"{key}._target_={node['_target_']}: calling it failed: {type(err).__name__}: {err}") from None
 
 
 def build_model(cfg: RunConfig) -> torch.nn.Module:
@@ -114,20 +96,26 @@ class Custom:
     def directions(self) -> dict[str, str | None]:
         return built_in.directions(self.metrics)
 
-    def check(self) -> None:
+    def check(self) -> set[str]:
         """On the driver, before anything launches: every `_target_` imports and builds, the items have a shape the
-        loop can use, and a train batch and a val batch go through the model, the loss and every metric."""
-        train_set, val_set, _ = build_datasets(self.cfg)
+        loop can use, and a train batch, a val batch and a test batch go through the model, the loss and every
+        metric. Returns the eval values that came out as arrays."""
+        train_set, val_set, test_set = build_datasets(self.cfg)
         self.loss_fn()
         self.collate()
         model = build_model(self.cfg)
         batch_size = max(2, self.cfg.trainer.batch_size)
+        arrays = set()
         with torch.no_grad():
             self.probe(model, train_set, batch_size, "data.train")
             model.eval()
-            losses, _, outputs, targets = self.probe(model, val_set, max(batch_size, PROBE_VAL), "data.val")
-        if self.metrics:
-            built_in.compute_all(self.metrics, built_in.Outputs(outputs, targets, self.problem))
+            for key, dataset in (("data.val", val_set), ("data.test", test_set)):
+                if dataset is None:
+                    continue
+                _, _, outputs, targets = self.probe(model, dataset, max(batch_size, PROBE_VAL), key)
+                if self.metrics:
+                    arrays |= built_in.check(self.metrics, built_in.Outputs(outputs, targets, self.problem))
+        return arrays
 
     def probe(self, model, dataset, size: int, key: str):
         """The first `size` items of `dataset` through the model and the loss: a failure is one line."""
@@ -154,7 +142,7 @@ class Custom:
         """What makes a batch of items: `data.collate_fn` where given (its batches' float64 tensors cast too), else
         torch's default collate."""
         node = given(getattr(self.cfg.data, "collate_fn", None))
-        users = built_in.resolve("data.collate_fn", node["_target_"]) if node else None
+        users = resolve("data.collate_fn", node["_target_"]) if node else None
         if users is not None and len(node) > 1:
             users = functools.partial(users, **{k: v for k, v in node.items() if k != "_target_"})
         return CastFloat64(users, quiet=quiet)
@@ -187,10 +175,11 @@ class Custom:
                 self.ignore_index = -100
             else:
                 importable(self.cfg.task.code_dir)
-                target = built_in.resolve("task.loss", node["_target_"])
+                target = resolve("task.loss", node["_target_"])
                 kwargs = {k: v for k, v in node.items() if k != "_target_"}
+                check_keywords("task.loss", node["_target_"], target, kwargs)
                 if isinstance(target, type):
-                    module = target(**kwargs)
+                    module = call("task.loss", node)
                     if hasattr(module, "reduction"):
                         module.reduction = "none"  # per example: the val loss is exact over the split
                     self._loss = module
@@ -286,16 +275,6 @@ class Custom:
 
     def samples(self, model, prompts: list[str], max_tokens: int) -> list[str]:
         raise ConfigError("trainer.sample_prompts: answering prompts is for task=causal_lm")
-
-
-def takes(target, name: str) -> bool:
-    """The callable has a parameter `name`."""
-    import inspect
-
-    try:
-        return name in inspect.signature(target).parameters
-    except (TypeError, ValueError):  # a builtin without a signature
-        return False
 
 
 def describe(inputs) -> str:

@@ -13,7 +13,7 @@ import torch
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
 from xtrain.data import images
-from xtrain.tasks import custom, metrics
+from xtrain.tasks import metrics, targets
 from xtrain.tasks.base import TaskData
 from xtrain.tasks.custom import Custom
 
@@ -47,12 +47,14 @@ class ImageCls(Custom):
     def model_node(self) -> dict:
         return self.node
 
-    def check(self) -> None:
-        """On the driver, before anything launches: the sources exist and the builder makes a module."""
+    def check(self) -> set[str]:
+        """On the driver, before anything launches: the sources exist, the builder makes a module, and every metric
+        takes outputs of the shape it gives. Returns the eval values that come out as arrays."""
         images.sources(self.cfg.data)
         if self.cfg.data.test:
             images.sources(self.cfg.data.test_files())
         self.on_meta()
+        return metrics.check(self.metrics, metrics.stand_in(self.problem, self.cfg.task.num_labels))
 
     def identity(self) -> dict:
         return {"model": {**self.cfg.model.node(), "num_labels": self.cfg.task.num_labels}}
@@ -64,12 +66,12 @@ class ImageCls(Custom):
 
     def build_model(self, image_size: int | None = None) -> torch.nn.Module:
         """The model; `image_size` (the prepared images' side) is offered where `task.image_size` is not set."""
-        custom.importable(self.cfg.task.code_dir)
+        targets.importable(self.cfg.task.code_dir)
         node = self.cfg.model.node()
         task = self.cfg.task
         offered = {"num_labels": task.num_labels, "num_channels": task.num_channels,
                    "image_size": task.image_size or image_size}
-        target = metrics.resolve("model", node["_target_"])
+        target = targets.resolve("model", node["_target_"])
         try:
             params = inspect.signature(target).parameters
         except (TypeError, ValueError):  # a builtin without a signature: offer nothing
@@ -77,7 +79,7 @@ class ImageCls(Custom):
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         extra = {k: v for k, v in offered.items() if v is not None and k not in node and (k in params or takes_any)}
         self.node = {**node, **extra}  # what builds it again (xtrain.load_model)
-        model = custom.call("model", node, **extra)
+        model = targets.call("model", node, **extra)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model._target_={node['_target_']}: returned a {type(model).__name__}, not a "
                               "torch.nn.Module")

@@ -13,15 +13,15 @@ torchmetrics' `higher_is_better`, or the entry's `direction:`.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from xtrain.config.task import DIRECTIONS, METRIC_KEYS, RESERVED_NAMES, check_monitor, metric_name as name_of
+from xtrain.config.task import DIRECTIONS, METRIC_KEYS, RESERVED_NAMES, metric_name as name_of
 from xtrain.core.errors import ConfigError
+from xtrain.tasks.targets import check_keywords, resolve
 
 PREDS, PROBS, LOGITS = "preds", "probs", "logits"
 INPUTS = (PREDS, PROBS, LOGITS)
@@ -96,22 +96,6 @@ CLASS_METRICS = [name for name, f in BUILT_IN.items() if _BUILT_IN[f][1] == "cla
 NUMBER_METRICS = [name for name, f in BUILT_IN.items() if _BUILT_IN[f][1] == "regression"]
 
 
-def resolve(key: str, path: str) -> Any:
-    """The object a `_target_` names; a ConfigError naming the key, the path and the real import error."""
-    module_name, _, attr = path.rpartition(".")
-    try:
-        if not module_name:
-            raise ImportError(f"{path!r} is not a dotted path (module.name)")
-        found = importlib.import_module(module_name)
-        for part in attr.split("."):
-            found = getattr(found, part)
-        return found
-    except AttributeError:
-        raise ConfigError(f"{key}._target_={path}: module {module_name} has no {attr}") from None
-    except Exception as err:  # whatever importing the user's module raised
-        raise ConfigError(f"{key}._target_={path}: cannot import: {type(err).__name__}: {err}") from None
-
-
 def build(specs: list) -> list[Metric]:
     """`task.metrics` entries: built-in names, or {_target_, [name], [input], [direction], **kwargs}."""
     built = []
@@ -147,6 +131,7 @@ def _by_target(i: int, spec: dict) -> Metric:
         raise ConfigError(f"{key}.direction={asked_direction}: choose {' or '.join(DIRECTIONS)}")
     kwargs = {k: v for k, v in spec.items() if k not in METRIC_KEYS}
     found = resolve(key, path)
+    check_keywords(key, path, found, kwargs)
     name = name_of(spec)
     if isinstance(found, type):
         try:
@@ -175,8 +160,7 @@ def _torchmetric(metric) -> Callable:
     """A torchmetrics.Metric (or any object with update/compute/reset) over the gathered split, in one update."""
     if not (hasattr(metric, "update") and hasattr(metric, "compute")):
         raise ConfigError(f"task.metrics: {type(metric).__name__} has no update/compute (a torchmetrics.Metric)")
-    if hasattr(metric, "sync_on_compute"):
-        metric.sync_on_compute = False  # the inputs are every rank's already
+    never_syncs(metric)
 
     def compute(inputs: torch.Tensor, targets: torch.Tensor):
         metric.reset()
@@ -186,16 +170,46 @@ def _torchmetric(metric) -> Callable:
     return compute
 
 
+def never_syncs(metric) -> None:
+    """A torchmetrics.Metric (and every metric inside it: a collection's, a wrapper's) that computes on its own
+    states: the inputs are every rank's already, and a sync would add the other ranks' copies of them again (every
+    count doubled on 2 processes). torchmetrics copies `sync_on_compute` into `_to_sync` when it is built and after
+    each `forward`, and reads only the copy when it computes: both are set."""
+    parts = metric.modules() if isinstance(metric, torch.nn.Module) else [metric]
+    for part in parts:
+        if hasattr(part, "sync_on_compute"):
+            part.sync_on_compute = False
+            part._to_sync = False
+
+
 def directions(metrics: list[Metric]) -> dict[str, str | None]:
     """Each eval value (`val_loss`, `val_<name>`) and its direction (None where it is not known)."""
     return {"val_loss": "minimize", **{f"val_{m.name}": m.direction for m in metrics}}
 
 
 def for_task(cfg) -> list[Metric]:
-    """A run config's `task.metrics`, built; `trainer.monitor` checked against their directions."""
-    built = build(list(cfg.task.metrics))
-    check_monitor(cfg.trainer, cfg.task, directions(built))
-    return built
+    """A run config's `task.metrics`, built."""
+    return build(list(cfg.task.metrics))
+
+
+def check(metrics: list[Metric], outputs: "Outputs") -> set[str]:
+    """Before anything launches: every metric on a probe's outputs (a ConfigError naming the first that cannot take
+    them); the eval values that came out as arrays (`val_<name>`: they have no best, and no monitor may name them)."""
+    values = compute_all(metrics, outputs)
+    return {f"val_{name}" for name, value in values.items() if not is_scalar(value)}
+
+
+def stand_in(problem: str, num_labels: int) -> "Outputs":
+    """Outputs and targets of the shapes a task declares (its problem and number of labels), every class present in
+    the targets: what the driver puts through the metrics where it builds no model before launch."""
+    g = torch.Generator().manual_seed(0)
+    n = max(64, 4 * num_labels)
+    if problem == REGRESSION:
+        return Outputs(torch.randn(n, generator=g), torch.randn(n, generator=g), problem)
+    if problem == MULTILABEL:  # label j alternates in runs of 1 + j % 4 examples: both values in every column
+        runs = torch.arange(n)[:, None] // (1 + torch.arange(num_labels)[None, :] % 4)
+        return Outputs(torch.randn(n, num_labels, generator=g), (runs % 2).float(), problem)
+    return Outputs(torch.randn(n, num_labels, generator=g), torch.arange(n) % num_labels, problem)
 
 
 def zero_one(targets: torch.Tensor) -> bool:

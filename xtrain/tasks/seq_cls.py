@@ -21,7 +21,7 @@ from xtrain.tasks import lora
 from xtrain.tasks import pretrained
 from xtrain.tasks import metrics as built_in
 from xtrain.tasks.base import TaskData
-from xtrain.tasks import custom
+from xtrain.tasks import targets
 from xtrain.tasks.custom import Custom
 
 log = logging.getLogger("xtrain")
@@ -39,7 +39,7 @@ class SeqCls(Custom):
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.task = cfg.task
-        custom.importable(cfg.task.code_dir)  # (a metric by _target_ may be the user's)
+        targets.importable(cfg.task.code_dir)  # (a metric by _target_ may be the user's)
         self.metrics = built_in.for_task(cfg)
         self.problem = {Problem.single_label: built_in.MULTICLASS, Problem.multi_label: built_in.MULTILABEL,
                         Problem.regression: built_in.REGRESSION}[cfg.task.problem]
@@ -52,8 +52,9 @@ class SeqCls(Custom):
     def num_labels(self) -> int:
         return 1 if self.task.problem is Problem.regression else self.task.num_labels
 
-    def check(self) -> None:
-        """On the driver, before anything launches: the records' files and the model's config."""
+    def check(self) -> set[str]:
+        """On the driver, before anything launches: the records' files, the model's config, and every metric on
+        outputs of the shape the model gives. Returns the eval values that come out as arrays."""
         from xtrain.data import sources
 
         sources.check(self.cfg.data)
@@ -61,6 +62,7 @@ class SeqCls(Custom):
             sources.check(self.cfg.data.test_files())
         pretrained.pretrained_config(self.cfg.model)
         labelled.check_unprepared(self.cfg.data, self.cfg.model, self.task)
+        return built_in.check(self.metrics, built_in.stand_in(self.problem, self.num_labels))
 
     def identity(self) -> dict:
         return {"model": {**pretrained.identity(self.cfg.model), "num_labels": self.num_labels,

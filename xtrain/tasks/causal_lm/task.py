@@ -35,11 +35,13 @@ class CausalLM:
         # copy of the logits kept (the compiled blocks end at the model's output)
         self.summed_loss = torch.compile(summed_loss) if cfg.trainer.compile else summed_loss
 
-    def check(self) -> None:
-        """On the driver, before anything launches: the data's files (cheap checks) and a pretrained model's config."""
+    def check(self) -> set[str]:
+        """On the driver, before anything launches: the data's files (cheap checks) and a pretrained model's config.
+        No eval value is an array."""
         sources.check(self.cfg.data)
         if self.cfg.model.source is ModelSource.pretrained:
             pretrained.pretrained_config(self.cfg.model)
+        return set()
 
     def identity(self) -> dict:
         return {"model": pretrained.identity(self.cfg.model)}
