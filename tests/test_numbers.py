@@ -340,7 +340,7 @@ def test_a_failure_after_the_start_is_recorded_and_told_to_the_callbacks(project
     ("wine", ["task.metrics=[acuracy]", "trainer.monitor=val_accuracy"],
      "task.metrics: no built-in metric acuracy; choose from accuracy, f1_macro"),
     ("wine", ["task.metrics=[{_target_: torchmetrics.classification.MulticlassAccuracy, num_classes: 2, name: acc}]",
-              "trainer.monitor=val_acc"],
+              "trainer.monitor=val_acc", "trainer.monitor_direction=minimize"],
      "task.metrics: torchmetrics.classification.MulticlassAccuracy failed on probs of shape (36, 3) (float32)"),
     ("wine", ["task.loss._target_=torch.nn.CrossEntropyLoss", "+task.loss.smooth=0.2"],
      "task.loss.smooth=0.2: torch.nn.CrossEntropyLoss takes no argument smooth; did you mean task.loss.label_smoothing? "
@@ -604,3 +604,71 @@ def test_one_process_reads_its_losses_where_they_are_used_and_each_is_its_steps(
         assert proc.returncode == 1 and read_result(run_dir)["status"] == "failed"
         errors[name] = read_result(run_dir)["error"]
     assert errors["deferred"] == errors["each_step"] and "the loss is nan" in errors["deferred"]
+
+
+CLASSIFYING = [
+    {"_target_": "torchmetrics.classification.MulticlassConfusionMatrix", "num_classes": 3, "name": "confusion"},
+    {"_target_": "torchmetrics.classification.MulticlassStatScores", "num_classes": 3, "average": None,
+     "name": "stats"},
+    {"_target_": "torchmetrics.classification.MulticlassAUROC", "num_classes": 3, "name": "auroc"},
+    {"_target_": "torchmetrics.classification.MulticlassROC", "num_classes": 3, "thresholds": 5, "name": "roc"},
+    {"_target_": "torchmetrics.classification.MulticlassAveragePrecision", "num_classes": 3, "name": "ap"},
+    {"_target_": "torchmetrics.classification.MulticlassCalibrationError", "num_classes": 3, "name": "ece"},
+    {"_target_": "probes.Counted", "name": "counted"},
+    {"_target_": "probes.Gathered", "name": "gathered"},
+]
+REGRESSING = [
+    {"_target_": "torchmetrics.regression.MeanSquaredError", "name": "mse"},
+    {"_target_": "torchmetrics.regression.PearsonCorrCoef", "name": "pearson"},
+    {"_target_": "torchmetrics.MeanMetric", "name": "mean"},
+    {"_target_": "probes.Counted", "name": "counted"},
+]
+
+
+def metric_cases():
+    """(the metrics, outputs, targets): a 3-class classifier's and a regression's, 45 examples each."""
+    g = torch.Generator().manual_seed(0)
+    return [(CLASSIFYING, torch.randn(45, 3, generator=g), torch.arange(45) % 3),
+            (REGRESSING, torch.randn(45, generator=g), torch.randn(45, generator=g))]
+
+
+def _metrics_on_a_rank(rank: int, init: str, project: str, got) -> None:
+    """One rank of a 2-process gloo group: every kind, built as a run builds it, on the gathered outputs."""
+    import sys
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, project)
+    from xtrain.tasks import metrics
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        got[rank] = [metrics.compute_all(metrics.build(specs), metrics.Outputs(outputs, targets))
+                     for specs, outputs, targets in metric_cases()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_metric_kind_computes_one_processs_value_on_every_rank_of_a_process_group(project, tmp_path):
+    """Sum states (a confusion matrix, stat scores, counts), list states (curves, scores, a user's list), a mean,
+    regression metrics: on each rank of a real process group, the gathered outputs give the value one process
+    computes, each example counted once."""
+    import sys
+
+    import torch.multiprocessing as mp
+
+    from xtrain.tasks import metrics
+
+    sys.path.insert(0, str(project))
+    try:
+        alone = [metrics.compute_all(metrics.build(specs), metrics.Outputs(outputs, targets))
+                 for specs, outputs, targets in metric_cases()]
+    finally:
+        sys.path.remove(str(project))
+    got = mp.get_context("spawn").Manager().dict()
+    mp.start_processes(_metrics_on_a_rank, args=(f"file://{tmp_path / 'rendezvous'}", str(project), got), nprocs=2,
+                       start_method="spawn")
+    assert alone[0]["counted"] == alone[0]["gathered"] == alone[1]["counted"] == 45
+    assert sum(map(sum, alone[0]["confusion"])) == 45
+    for rank in (0, 1):
+        assert got[rank] == alone, rank

@@ -33,6 +33,11 @@ class Mesh:
         """Ranks that each train on their own part of a step's batch."""
         return self.dp_replicate * self.dp_shard
 
+    def effective_batch(self, batch_size: int, grad_accum: int) -> int:
+        """What one optimizer step trains on (sequences, examples): the micro-batch x grad_accum x the data-parallel
+        ranks (a tensor-parallel group's ranks share one batch)."""
+        return batch_size * grad_accum * self.data_parallel
+
     @property
     def composed(self) -> bool:
         """More than one axis (replicas of shards, or TP): the run needs Accelerate's ParallelismConfig."""
@@ -65,21 +70,33 @@ class Mesh:
         return {axis: getattr(self, axis) for axis in AXES}
 
 
+def layout(strategy: str, world: int, dp_replicate=1, tp: int = 1) -> Mesh:
+    """The mesh of `strategy` (its name) on `world` ranks: DDP's are replicas, ZeRO's shards, FSDP2's replicas of
+    shards of tensor-parallel groups."""
+    if strategy == Strategy.ddp.value:
+        return Mesh(dp_replicate=world)
+    if strategy != Strategy.fsdp.value:
+        return Mesh(dp_shard=world)
+    replicas = int(dp_replicate)
+    return Mesh(dp_replicate=replicas, dp_shard=world // (replicas * tp), tp=tp)
+
+
 def of(cfg: RunConfig) -> Mesh:
     """The run's mesh (its world resolved: `cluster.num_processes` and `strategy.dp_replicate` made concrete)."""
-    s, world = cfg.strategy, cfg.cluster.world_size
-    if s.name is Strategy.ddp:
-        return Mesh(dp_replicate=world)
-    if s.name is not Strategy.fsdp:
-        return Mesh(dp_shard=world)
-    replicas = int(s.dp_replicate)
-    return Mesh(dp_replicate=replicas, dp_shard=world // (replicas * s.tp), tp=s.tp)
+    s = cfg.strategy
+    return layout(s.name.value, cfg.cluster.world_size, s.dp_replicate, s.tp)
 
 
 def effective_batch(cfg: RunConfig) -> int:
-    """What one optimizer step trains on (sequences, examples): the micro-batch x grad_accum x the data-parallel
-    ranks (a tensor-parallel group's ranks share one batch)."""
-    return cfg.trainer.batch_size * cfg.trainer.grad_accum * of(cfg).data_parallel
+    return of(cfg).effective_batch(cfg.trainer.batch_size, cfg.trainer.grad_accum)
+
+
+def recorded_effective_batch(config: dict) -> int:
+    """`effective_batch` of a run.yaml read as plain data (a sweep's summary reads many: typed loading is slow)."""
+    s, c, t = config["strategy"], config["cluster"], config["trainer"]
+    world = c["nodes"] * int(c["num_processes"])
+    return layout(s["name"], world, s.get("dp_replicate", 1), s.get("tp", 1)).effective_batch(t["batch_size"],
+                                                                                              t["grad_accum"])
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
