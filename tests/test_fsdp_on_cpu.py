@@ -207,16 +207,19 @@ ONE_STEP = ["cluster.num_processes=2", "trainer.batch_size=1", "trainer.max_step
 
 
 def model_ready(run_dir: Path, *overrides: str) -> dict:
-    """result.json as the run starts (its model built, sharded, placed: `peak_rss_model_ready_bytes`); the run is
-    then killed: what comes after (a step, a checkpoint and an export of the whole model) is not what is measured."""
+    """result.json as the run starts (its model built, sharded, placed: `peak_rss_model_ready_bytes`), as read then;
+    the run is then killed: what comes after (a step, a checkpoint and an export of the whole model, and the
+    workers recording that their driver was killed) is not what is measured."""
     proc = start_xtrain(f"run_dir={run_dir}", "strategy=fsdp", *ONE_STEP, *overrides, env=FSDP_ON_CPU, quiet=True)
     deadline = time.monotonic() + 300
-    while not ((run_dir / "result.json").exists() and "peak_rss_model_ready_bytes" in read_result(run_dir)):
+    started = {}
+    while "peak_rss_model_ready_bytes" not in started:
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its model was ready"
         time.sleep(0.1)
+        started = read_result(run_dir) if (run_dir / "result.json").exists() else {}
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return read_result(run_dir)
+    return started
 
 
 def test_a_config_built_model_never_exists_whole_on_a_rank(tmp_path):
