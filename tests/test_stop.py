@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (PACED, SHARDED, SMALL, assert_equal_weights, logged, read_metrics, read_result, run_xtrain,
+from conftest import (PACED, REPO, SHARDED, SMALL, assert_equal_weights, logged, read_metrics, read_result, run_xtrain,
                       start_xtrain, wandb_history)
 
 ONE = ["trainer.max_steps=30", "trainer.warmup_steps=3", "trainer.log_every=2", "trainer.eval_every=10",
@@ -90,6 +90,72 @@ def test_sigusr1_stops_two_processes_together_and_they_continue_bitwise(tmp_path
     events = EventAccumulator(str(run_dir / "tensorboard" / "xtrain"))  # one log dir for both attempts
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == list(range(2, 21, 2))
+
+
+def test_a_closed_terminal_stops_a_run_at_a_step_boundary(tmp_path):
+    """The terminal a run was started from is closed (its pty's master: the kernel sends SIGHUP, and every later write
+    to it fails): the run stops at a step boundary with its checkpoint, as for SIGTERM, and exits 128 + SIGHUP."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import sys
+    import termios
+    import threading
+
+    run_dir = tmp_path / "run"
+    master, slave = pty.openpty()
+
+    def in_the_terminals_session():
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([sys.executable, "-m", "xtrain", f"run_dir={run_dir}", *ONE, *PACED], cwd=REPO,
+                            stdin=slave, stdout=slave, stderr=slave, preexec_fn=in_the_terminals_session)
+    os.close(slave)
+    reading, shown = threading.Event(), []
+    reading.set()
+
+    def read_the_terminal():  # (never blocked in a read: a read in progress would keep the terminal open)
+        while reading.is_set():
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    shown.append(os.read(master, 65536))
+                except OSError:
+                    return
+
+    reader = threading.Thread(target=read_the_terminal)
+    reader.start()
+    deadline = time.time() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and any(r["step"] >= 12 for r in read_metrics(run_dir))):
+        assert proc.poll() is None and time.time() < deadline, b"".join(shown).decode(errors="replace")
+        time.sleep(0.05)
+    reading.clear()
+    reader.join()
+    os.close(master)
+    assert proc.wait(timeout=300) == 128 + signal.SIGHUP
+    result = read_result(run_dir)
+    step = result["stop"]["step"]
+    assert result["status"] == "interrupted" and result["stop"]["signal"] == "SIGHUP" and 12 <= step < 30
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "xtrain_state.json").is_file()
+
+
+def test_rank_0s_lines_go_to_the_log_once_the_terminal_is_gone():
+    """A closed terminal fails every write (EIO): the lines the workers print go on into the launcher's log, and the
+    pipe keeps being read (a reader that stopped would leave the workers blocked on their next print)."""
+    import io
+
+    from xtrain.launch import supervisor
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise OSError(5, "Input/output error")
+
+    prefix = supervisor.RANK0_PREFIX
+    lines = [f"{prefix}step 1\n", "torchrun's own\n", f"{prefix}step 2\n"]
+    log = io.StringIO()
+    supervisor._pump(io.BytesIO("".join(lines).encode()), Closed(), log)
+    assert log.getvalue() == "step 1\ntorchrun's own\nstep 2\n"
 
 
 def test_a_second_signal_stops_at_once(tmp_path):

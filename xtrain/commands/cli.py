@@ -61,8 +61,17 @@ def command_argv(doc: str, argv: list[str] | None) -> list[str] | None:
     return argv
 
 
+def tell(line: str) -> None:
+    """A line on stderr; nothing where the terminal is gone (closed: EIO), which must not change how the command
+    ends."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 def fail(message: str) -> None:
-    print(f"xtrain: error: {message}", file=sys.stderr)
+    tell(f"xtrain: error: {message}")
     sys.exit(2)
 
 
@@ -79,18 +88,18 @@ def hydra_main(cfg: DictConfig):
         # Exit here: an exception leaving the task makes Hydra print its own report first.
         fail(str(err))
     except LaunchFailed as err:
-        print(f"xtrain: error: {err}", file=sys.stderr)
+        tell(f"xtrain: error: {err}")
         sys.exit(err.exit_code)
     except Stopped as err:  # on request, at a step boundary, with a checkpoint: not an error
-        print(f"xtrain: {err}", file=sys.stderr)
+        tell(f"xtrain: {err}")
         sys.exit(err.exit_code)
     except (Diverged, CallbackFailed) as err:
-        print(f"xtrain: error: {err}", file=sys.stderr)
+        tell(f"xtrain: error: {err}")
         sys.exit(1)
     except KeyboardInterrupt as err:  # a second Ctrl-C (the first stops at a step boundary), or one before training
         how = str(err) or "stopped at once by Ctrl-C"
-        print(f"xtrain: {how}; to continue from the newest checkpoint, run the same command with run_dir={output_dir} "
-              "resume=auto", file=sys.stderr)
+        tell(f"xtrain: {how}; to continue from the newest checkpoint, run the same command with run_dir={output_dir} "
+             "resume=auto")
         sys.exit(130)
     finally:  # a dry run or a refused run leaves no empty run dir behind
         _remove_if_empty(Path(output_dir))
@@ -139,10 +148,10 @@ def main() -> None:
         _report_refusal(err)
     except SweepFailed as err:  # one line per failed point; the summary has them all
         for line in str(err).splitlines():
-            print(f"xtrain: error: {line}", file=sys.stderr)
+            tell(f"xtrain: error: {line}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:  # before a run started (composing, preparing data)
-        print("xtrain: stopped by Ctrl-C before training started; nothing to continue", file=sys.stderr)
+        tell("xtrain: stopped by Ctrl-C before training started; nothing to continue")
         sys.exit(130)
 
 

@@ -5,7 +5,8 @@ checkpoint, and the run ends `interrupted`, resumable with `resume=auto` (under 
 requeues itself). Which signals ask for this depends on the process:
 
 - the process that trains in-process (one process), and the driver of N workers: SIGINT (Ctrl-C), SIGTERM,
-  SIGUSR1, SIGUSR2 (a spot instance's notice, SLURM's `--signal` warning, a workload manager);
+  SIGHUP (its terminal closed), SIGUSR1, SIGUSR2 (a spot instance's notice, SLURM's `--signal` warning, a workload
+  manager);
 - a worker under torchrun: SIGUSR1, SIGUSR2 only; torchrun ends workers with SIGTERM when another
   rank failed, and that must stop at once (`errors.Terminated`).
 
@@ -21,7 +22,7 @@ import signal
 import threading
 import time
 
-GRACEFUL = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+GRACEFUL = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 IN_WORKERS = (signal.SIGUSR1, signal.SIGUSR2)
 DRIVER_ENV = "XTRAIN_DRIVER_PID"  # set for the workers of a local run: the process they never outlive
 

@@ -99,16 +99,19 @@ def torchrun_command(topology: Topology, workdir: Path, port: int, module_args: 
 
 def _pump(stream, terminal, log_file) -> None:
     """Local rank 0's lines to the terminal (prefix removed), torchrun's own lines to its log. Bytes that are
-    not UTF-8 are replaced, never fatal: a reader that stopped would leave the pipe to fill and the workers
-    to block on their next print."""
+    not UTF-8 are replaced, and a terminal that is gone (closed: EIO) takes no more lines, the log does: never
+    fatal, since a reader that stopped would leave the pipe to fill and the workers to block on their next print."""
     for raw in stream:
         line = raw.decode("utf-8", errors="replace")
-        if line.startswith(RANK0_PREFIX):
-            terminal.write(line[len(RANK0_PREFIX):])
-            terminal.flush()
-        else:
-            log_file.write(line)
-            log_file.flush()
+        if line.startswith(RANK0_PREFIX) and terminal is not None:
+            try:
+                terminal.write(line[len(RANK0_PREFIX):])
+                terminal.flush()
+                continue
+            except OSError:
+                terminal = None
+        log_file.write(line.removeprefix(RANK0_PREFIX))
+        log_file.flush()
 
 
 def stop_tree(proc: subprocess.Popen) -> None:
