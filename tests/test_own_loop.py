@@ -431,6 +431,27 @@ def test_a_bad_piece_of_your_own_loop_is_one_line_and_writes_nothing(project, tm
     assert not run_dir.exists()
 
 
+def test_a_dry_run_checks_callbacks_without_building_them(project, tmp_path):
+    """A callback is code that runs: a dry run imports it and checks its keywords and (a class) its hooks, and calls
+    nothing. The same callback in a real run is built, and refused for having no hook."""
+    marker = tmp_path / "ran"
+    called = [*WINE, f"run_dir={tmp_path / 'run'}", f"trainer.callbacks=[{{_target_: os.system, command: 'touch {marker}'}}]"]
+    proc = run_xtrain(*called, "dry_run=true", cwd=project)
+    assert "xtrain plan (dry run: nothing was launched)" in proc.stdout and not marker.exists()
+    assert_one_line_error(run_xtrain(*called, check=False, cwd=project), "trainer.callbacks[0]._target_=os.system: has "
+                                                                         "none of the hooks")
+    assert marker.exists()  # (the real run built it: that is what a dry run must not do)
+    for node, expected in (("{_target_: extra.LightningNamed}", "on_validation_epoch_end is not a hook xtrain calls"),
+                           ("{_target_: extra.Narrow}", "on_validation_end cannot be called as on_validation_end(state, "
+                                                        "metrics)"),
+                           ("{_target_: os.system, comand: ls}", "trainer.callbacks[0].comand=ls: os.system takes no "
+                                                                 "argument comand; did you mean "
+                                                                 "trainer.callbacks[0].command?")):
+        refused = run_xtrain(*WINE, f"run_dir={tmp_path / 'run'}", f"trainer.callbacks=[{node}]", "dry_run=true",
+                             check=False, cwd=project)
+        assert_one_line_error(refused, expected)
+
+
 def test_mistakes_outside_the_run_config_are_one_line(project, tmp_path):
     (tmp_path / "a_file").write_text("")
     (tmp_path / "empty.jsonl").write_text("")

@@ -72,8 +72,9 @@ def build(cfg: RunConfig, main: bool) -> list[tuple[str, object]]:
 
 
 def check_hooks(name: str, callback) -> None:
-    """The callback has a hook; each method named like one (`on_*`) is one (a Lightning name such as
-    `on_validation_epoch_end` would never be called); each hook takes what it is given."""
+    """The callback (an object, or a class before it is built) has a hook; each method named like one (`on_*`) is
+    one (a Lightning name such as `on_validation_epoch_end` would never be called); each hook takes what it is
+    given."""
     methods = [m for m in dir(callback) if m.startswith("on_") and callable(getattr(callback, m, None))]
     for method in methods:
         if method not in HOOKS:
@@ -85,8 +86,9 @@ def check_hooks(name: str, callback) -> None:
         raise ConfigError(f"{name}: has none of the hooks {', '.join(HOOKS)}")
     for method in methods:
         given = HOOKS[method]
+        unbound = isinstance(callback, type) and not isinstance(inspect.getattr_static(callback, method), staticmethod)
         try:
-            inspect.signature(getattr(callback, method)).bind("state", *given)
+            inspect.signature(getattr(callback, method)).bind(*(["self"] if unbound else []), "state", *given)
         except TypeError:
             raise ConfigError(f"{name}: {method} cannot be called as {method}({', '.join(('state', *given))}), as "
                               "xtrain calls it") from None
@@ -94,9 +96,22 @@ def check_hooks(name: str, callback) -> None:
             pass
 
 
-def check(cfg: RunConfig) -> None:
-    """On the driver, before anything launches: every callback imports, builds and has hooks it can take."""
-    build(cfg, main=True)
+def check(cfg: RunConfig, dry_run: bool = False) -> None:
+    """On the driver, before anything launches: every callback imports, builds and has hooks it can take. A dry run
+    builds none (a callback is code that runs): a class's hooks and keywords are checked on the class, a function
+    that makes one is imported and its keywords checked, never called."""
+    if not dry_run:
+        build(cfg, main=True)
+        return
+    from xtrain.tasks.targets import check_keywords, importable, resolve
+
+    importable(cfg.task.code_dir)
+    for i, node in enumerate(cfg.trainer.callbacks):
+        key, path = f"trainer.callbacks[{i}]", node["_target_"]
+        target = resolve(key, path)
+        check_keywords(key, path, target, {k: v for k, v in node.items() if k != "_target_"})
+        if isinstance(target, type):
+            check_hooks(f"{key}._target_={path}", target)
 
 
 class Callbacks:

@@ -65,7 +65,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     task = task_for(cfg)
     arrays = task.check()  # (the metrics first: the monitor names one of what they compute)
     check_monitor(cfg.trainer, cfg.task, task.directions(), arrays)
-    callbacks.check(cfg)
+    callbacks.check(cfg, dry_run=cfg.dry_run)
     optim.check(cfg)
     _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
     mesh.check(cfg, facts)
