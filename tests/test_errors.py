@@ -26,6 +26,12 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.batch_size=-4"], ["trainer.batch_size=-4", "must be > 0"]),
         (["trainer.max_steps=0"], ["trainer.max_steps=0", "must be > 0"]),
         (["trainer.lr=-0.001"], ["trainer.lr=-0.001", "must be > 0"]),
+        (["trainer.lr=nan"], ["trainer.lr=nan: must be a finite number > 0"]),
+        (["trainer.lr=inf"], ["trainer.lr=inf: must be a finite number > 0"]),
+        (["trainer.max_grad_norm=nan"], ["trainer.max_grad_norm=nan: must be a finite number >= 0"]),
+        (["trainer.seed=${nope:1}"], ["trainer.seed=${nope:1}: Unsupported interpolation type nope"]),
+        (["trainer.seed=${trainer.nothing}"], ["trainer.seed=${trainer.nothing}: Interpolation key 'trainer.nothing' "
+                                               "not found"]),
         (["trainer.lr=fast"], ["trainer.lr=fast", "not a valid float"]),
         (["trainer.compile=maybe"], ["trainer.compile=maybe: not a valid bool; use true or false"]),
         (["precision.fp8_skip=self_attn"],

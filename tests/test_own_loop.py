@@ -455,7 +455,13 @@ def test_a_dry_run_checks_callbacks_without_building_them(project, tmp_path):
 def test_mistakes_outside_the_run_config_are_one_line(project, tmp_path):
     (tmp_path / "a_file").write_text("")
     (tmp_path / "empty.jsonl").write_text("")
+    broken = tmp_path / "conf" / "experiment" / "broken.yaml"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("# @package _global_\ntrainer:\n  lr: [1, 2\n  batch_size: 8\n")
     cases = [
+        (["--config-dir", str(tmp_path / "conf"), "experiment=broken", f"run_dir={tmp_path / 'r'}"],
+         f"{broken}: not valid YAML at line 4, column 13: expected ',' or ']', but got ':' (while parsing a flow "
+         "sequence from line 3); fix the file"),
         ([f"run_dir={tmp_path / 'a_file'}"], f"run_dir={tmp_path / 'a_file'}: a file, not a directory"),
         (["-m", f"run_dir={tmp_path / 's'}", "hydra/sweeper=xtrain_optuna", "trainer.lr=intervl(1e-4,1e-2)"],
          "trainer.lr=intervl(1e-4,1e-2): no function intervl in Hydra's sweep grammar; did you mean interval?"),

@@ -84,9 +84,9 @@ def hydra_main(cfg: DictConfig):
 
         resolved = resolve_auto(schema.from_container(cfg))
         return backend_for(resolved.cluster.kind).run(resolved).get("val_loss")
-    except ConfigError as err:
+    except (ConfigError, OmegaConfBaseException) as err:
         # Exit here: an exception leaving the task makes Hydra print its own report first.
-        fail(str(err))
+        _report_refusal(err)
     except LaunchFailed as err:
         tell(f"xtrain: error: {err}")
         sys.exit(err.exit_code)
@@ -140,7 +140,9 @@ def main() -> None:
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    refusals = (ConfigError, HydraException, OmegaConfBaseException)
+    import yaml
+
+    refusals = (ConfigError, HydraException, OmegaConfBaseException, yaml.YAMLError)
     try:
         with sweep_dir.kept(*refusals):  # a sweep refused before it ran: its dir as it was
             hydra_main()
@@ -181,11 +183,27 @@ def arguments(argv: list[str]) -> list[str]:
 
 
 def _report_refusal(err: Exception) -> None:
+    import yaml
+
     if isinstance(err, ConfigError):
         fail(str(err))
+    if isinstance(err, yaml.YAMLError):
+        fail(yaml_error(err))
     if isinstance(err, MissingConfigException):
         fail(unknown_option(str(err)))
     fail(explain(err, schema.setting_names()))
+
+
+def yaml_error(err) -> str:
+    """A config file that is not YAML, in one line: the file, where, what the parser expected."""
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return f"a config file is not valid YAML: {' '.join(str(err).split())}"
+    context = getattr(err, "context", None)
+    begun = getattr(err, "context_mark", None)
+    where = f" ({context} from line {begun.line + 1})" if context and begun is not None else ""
+    return (f"{mark.name}: not valid YAML at line {mark.line + 1}, column {mark.column + 1}: {err.problem}{where}; "
+            "fix the file")
 
 
 def unknown_option(message: str) -> str:

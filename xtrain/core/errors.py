@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import sys
 
@@ -60,13 +61,13 @@ class SweepFailed(Exception):
 
 
 def positive(name: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{name}={value}: must be > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={value}: must be {'a finite number ' if not math.isfinite(value) else ''}> 0")
 
 
 def non_negative(name: str, value: float) -> None:
-    if value < 0:
-        raise ConfigError(f"{name}={value}: must be >= 0")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name}={value}: must be {'a finite number ' if not math.isfinite(value) else ''}>= 0")
 
 
 def changed_settings(settings, group: str, names) -> list[str]:
