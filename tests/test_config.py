@@ -112,9 +112,12 @@ def test_run_yaml_round_trips(tmp_path):
 
 
 def test_cfg_job_does_not_import_torch():
+    """Nor does what the suite's conftest imports before it sets torch's threads (a process's first import of torch
+    reads OMP_NUM_THREADS: with 2 threads, in-process runs would not be bitwise those of the runs it starts)."""
     code = (
         "import sys; sys.argv = ['xtrain', '--cfg', 'job']; from xtrain.commands import cli\n"
         "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "import xtrain.backends.registry, xtrain.config.schema\n"
         "heavy = [m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules]\n"
         "print('HEAVY', heavy)"
     )

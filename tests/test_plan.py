@@ -10,6 +10,7 @@ import pytest
 
 from conftest import assert_one_line_error, compose_run, xtrain_in_process
 from xtrain.core import machine
+from xtrain.core.errors import ConfigError
 from xtrain.tasks.facts import model_facts
 from xtrain.distributed import estimate, plugins
 
@@ -160,14 +161,20 @@ def test_a_dry_run_on_a_cpu_plans_against_the_machines_memory_shared_by_its_proc
     assert f"fits         NO: {short_of_memory(ram)}" in out
 
 
-def test_a_run_whose_estimate_exceeds_the_machines_memory_is_told_so_before_anything_starts(tmp_path):
-    """A warning, not a refusal (the run goes on as asked): here it then stops at its data (a corpus of fewer
-    blocks than a split needs), in one line, as any run would."""
+def test_a_run_whose_estimate_exceeds_the_machines_memory_is_refused_before_anything_starts(tmp_path):
+    """Refused in one line with the smallest change that fits, nothing written; `cluster.check_memory=false`: a
+    warning, and the run goes on as asked (here it then stops at its data, a corpus of fewer blocks than a split
+    needs, in one line, as any run would)."""
     proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", *BIG, check=False)
+    assert_one_line_error(proc, f"memory: the plan's estimate does not fit this machine: "
+                                f"{short_of_memory(machine.ram_bytes() / GB)}; or set cluster.check_memory=false")
+    assert not (tmp_path / "run").exists()
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", *BIG, "cluster.check_memory=false", check=False)
     assert_one_line_error(proc, "data.block_size=100000: the corpus yields 1 block(s)")
     warned = [line for line in proc.stdout.splitlines() if "[WARNING] memory:" in line]
     assert len(warned) == 1 and warned[0].endswith(
-        f"memory: the plan's estimate does not fit this machine: {short_of_memory(machine.ram_bytes() / GB)}")
+        f"memory: the plan's estimate does not fit this machine: {short_of_memory(machine.ram_bytes() / GB)} "
+        "(cluster.check_memory=false: starting it anyway)")
     assert proc.stdout.index("[WARNING] memory:") < proc.stdout.index("data:")
     assert "memory:" not in xtrain_in_process(f"run_dir={tmp_path / 'fits'}", "trainer.max_steps=1").stdout
 
@@ -266,8 +273,7 @@ def test_a_dry_run_of_a_slurm_job_works_where_slurm_is_not_and_says_what_it_assu
 def test_a_slurm_job_on_cpus_plans_against_its_nodes_memory_shared_by_their_processes(tmp_path, no_slurm_path):
     """No GPU asked (the job trains on its nodes' CPUs): each node's processes' estimates against `cluster.mem_gb`
     (without it, the plan says to set it); where they do not fit, the largest micro-batch that does. A submission
-    that does not fit is told so before it is queued, and goes on as asked."""
-    import logging
+    that does not fit is refused before it is queued."""
     from dataclasses import replace
 
     from xtrain.config.cluster import ClusterKind
@@ -287,19 +293,17 @@ def test_a_slurm_job_on_cpus_plans_against_its_nodes_memory_shared_by_their_proc
     assert "memory       per device: weights" in out and "fits         unknown: set cluster.gpu_memory_gb to check" in out
 
     here = compose_run(*BIG)
-    warned = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warned.append(record.getMessage())
-    logging.getLogger("xtrain").addHandler(handler)
-    try:
-        for mem_gb in (60, 1000, None):
-            submitted = replace(here, cluster=replace(here.cluster, kind=ClusterKind.slurm, gpus_per_node="0",
-                                                      mem_gb=mem_gb))
-            plan.warn_if_short_of_memory(submitted)
-    finally:
-        logging.getLogger("xtrain").removeHandler(handler)
-    assert warned == [f"memory: the plan's estimate does not fit the job's nodes: "
-                      f"{short_of_memory(60, 'cluster.mem_gb=60 GB')}"]
+    refused = []
+    for mem_gb in (60, 1000, None):
+        submitted = replace(here, cluster=replace(here.cluster, kind=ClusterKind.slurm, gpus_per_node="0",
+                                                  mem_gb=mem_gb))
+        try:
+            plan.check_memory(submitted)
+        except ConfigError as err:
+            refused.append(str(err))
+    assert refused == [f"memory: the plan's estimate does not fit the job's nodes: "
+                       f"{short_of_memory(60, 'cluster.mem_gb=60 GB')}; or set cluster.check_memory=false to start it "
+                       "anyway"]
 
 
 def test_a_dry_run_applies_every_check_the_real_run_applies(short_run, tmp_path):

@@ -22,7 +22,7 @@ from typing import Callable
 from xtrain.config import schema
 from xtrain.config.point import Point
 from xtrain.config.schema import RunConfig, Strategy
-from xtrain.core import machine, rundir, stopping
+from xtrain.core import machine, rundir, runlock, stopping
 from xtrain.core.errors import ConfigError, Stopped, one_line
 from xtrain.launch import hardware, plan, preflight, supervisor
 
@@ -57,9 +57,11 @@ def run(cfg: RunConfig) -> dict:
     if cfg.dry_run:
         print(describe(cfg))
         return {"dry_run": True}
-    facts = preflight.preflight(cfg)
-    prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
-    return run_here(cfg, preflight.write_or_wait(cfg, facts), data_ready=True)
+    with runlock.holding(cfg.run_dir, take=cfg.cluster.node_rank == 0):  # (from before anything is written)
+        facts = preflight.preflight(cfg)
+        prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
+        with preflight.taken_back_if_refused(Path(cfg.run_dir)):  # (refused by a worker before it started)
+            return run_here(cfg, preflight.write_or_wait(cfg, facts), data_ready=True)
 
 
 def prepare_data(cfg: RunConfig) -> None:
@@ -76,6 +78,11 @@ def prepare_data(cfg: RunConfig) -> None:
 def run_here(cfg: RunConfig, path: Path, data_ready: bool = False) -> dict:
     """Train a written run dir on this node: in this process, or N workers under torchrun. The data is prepared
     first unless `data_ready`. A run stopped on request (SIGTERM, SIGUSR1/2) at a step boundary raises `Stopped`."""
+    with runlock.holding(path, take=cfg.cluster.node_rank == 0):
+        return _run_here(cfg, path, data_ready)
+
+
+def _run_here(cfg: RunConfig, path: Path, data_ready: bool) -> dict:
     log.info("run dir: %s", path)
     if not data_ready:
         prepare_data(cfg)

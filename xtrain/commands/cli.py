@@ -7,6 +7,7 @@ exit code 2. This module imports neither torch nor transformers: `--cfg job` and
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -22,7 +23,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
-from xtrain.core.errors import CallbackFailed, ConfigError, Diverged, LaunchFailed, Stopped, SweepFailed, explain
+from xtrain.core import runlock
+from xtrain.core.errors import ONE_LINE, ConfigError, LaunchFailed, Stopped, SweepFailed, explain
 from xtrain.core.files import keep_private
 from xtrain.sweeps import sweep_dir
 
@@ -93,7 +95,7 @@ def hydra_main(cfg: DictConfig):
     except Stopped as err:  # on request, at a step boundary, with a checkpoint: not an error
         tell(f"xtrain: {err}")
         sys.exit(err.exit_code)
-    except (Diverged, CallbackFailed) as err:
+    except ONE_LINE as err:
         tell(f"xtrain: error: {err}")
         sys.exit(1)
     except KeyboardInterrupt as err:  # a second Ctrl-C (the first stops at a step boundary), or one before training
@@ -107,7 +109,8 @@ def hydra_main(cfg: DictConfig):
 
 def _remove_if_empty(path: Path) -> None:
     if path.is_dir() and not any(path.iterdir()):
-        path.rmdir()
+        with contextlib.suppress(OSError):  # (a read-only one: refused already)
+            path.rmdir()
 
 
 def make_launchers_visible() -> None:
@@ -137,6 +140,11 @@ def main() -> None:
     for arg in sys.argv[1:]:
         if arg.startswith("run_dir=") and Path(arg.partition("=")[2]).expanduser().is_file():
             fail(f"{arg}: a file, not a directory; give a directory for the run (new, or one to resume=auto)")
+        if arg.startswith("run_dir=") and "$" not in arg:  # (before Hydra makes it)
+            try:
+                runlock.check_writable(Path(arg.partition("=")[2]).expanduser().absolute())
+            except ConfigError as err:
+                fail(str(err))
     register_schemas()
     # Let composition errors reach us as exceptions instead of Hydra's multi-line report.
     os.environ["HYDRA_FULL_ERROR"] = "1"

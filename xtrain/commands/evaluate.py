@@ -16,7 +16,7 @@ from pathlib import Path
 
 from xtrain.commands import cli
 from xtrain.config import schema
-from xtrain.core import rundir
+from xtrain.core import rundir, runlock
 from xtrain.core.errors import ConfigError, LaunchFailed, explain
 from xtrain.core.files import write_atomic
 from xtrain.tasks.exports import NotCompleted
@@ -183,14 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     try:
         run_dir, options, overrides = parse(argv)
         cfg = run_config(run_dir, overrides)
-        if int(options["num_processes"]) > 1 and not worker:
-            launch(run_dir, int(options["num_processes"]), argv)
-            record = json.loads((run_dir / EVAL_FILE).read_text())[options["split"]]
-        else:
-            from xtrain.launch.worker import configure_logging
+        with runlock.holding(run_dir, take=not worker):  # (it writes eval.json: never while the run trains)
+            if int(options["num_processes"]) > 1 and not worker:
+                launch(run_dir, int(options["num_processes"]), argv)
+                record = json.loads((run_dir / EVAL_FILE).read_text())[options["split"]]
+            else:
+                from xtrain.launch.worker import configure_logging
 
-            configure_logging()
-            record = evaluate_here(run_dir, cfg, options)
+                configure_logging()
+                record = evaluate_here(run_dir, cfg, options)
     except NotCompleted as err:
         cli.fail(str(err))
     except ConfigError as err:

@@ -42,12 +42,15 @@ def checkpoint_at(run_dir: Path, step: str | None) -> Path:
     found = rundir.complete_checkpoints(run_dir)
     if not found:
         raise ConfigError(f"{run_dir}: no checkpoint to export (its model/ is the final model, if it completed)")
-    if step is None:
-        return found[-1]
-    path = rundir.checkpoints_dir(run_dir) / rundir.checkpoint_name(int(step))
+    path = found[-1] if step is None else rundir.checkpoints_dir(run_dir) / rundir.checkpoint_name(int(step))
     if path not in found:
         steps = ", ".join(str(int(p.name.removeprefix("step_"))) for p in found)
         raise ConfigError(f"step={step}: no checkpoint at that step in {run_dir}; it has step {steps}")
+    from xtrain.engine.checkpoint import failure
+
+    why = failure(path)
+    if why:
+        raise ConfigError(f"{path} fails its check: {why}; give another with step=N")
     return path
 
 

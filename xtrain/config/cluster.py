@@ -59,6 +59,9 @@ class ClusterConfig:
     """A collective that waits longer than this (a stuck or dead rank) ends the run."""
     gpu_memory_gb: Optional[float] = None
     """Device memory to plan against (dry_run); default: what the local GPU has."""
+    check_memory: bool = True
+    """A run whose planned memory does not fit (this machine's, or the job's nodes') is refused before it starts;
+    false: warned about, and started anyway (the plan's estimate is a lower bound)."""
     # cluster=slurm: one job, one task per node, each running that node's workers (xtrain/backends/slurm/)
     gpus_per_node: str = "auto"
     """GPUs to request on each node: `auto` (every GPU of a node of the partition; none on a CPU partition) or a

@@ -31,6 +31,14 @@ class CallbackFailed(RuntimeError):
     """A `trainer.callbacks` hook raised: printed as one line (the callback, the hook, its error), exit code 1."""
 
 
+class WriteFailed(RuntimeError):
+    """A file of the run could not be written (the disk full, read-only, no permission): one line naming the path
+    and what it needed, exit code 1; what was written before stays."""
+
+
+ONE_LINE = (Diverged, CallbackFailed, WriteFailed)  # errors whose line says it all: no traceback helps
+
+
 class LaunchFailed(Exception):
     """Workers failed; the message is the failing rank's own error."""
 

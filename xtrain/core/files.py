@@ -28,7 +28,7 @@ def keep_private() -> None:
     os.umask(os.umask(0) | 0o022)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -48,7 +48,7 @@ def write_atomic(path: Path, text: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -79,4 +79,4 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)

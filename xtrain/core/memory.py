@@ -1,15 +1,19 @@
 """Each rank's peak memory over one run: host RSS and, on a GPU, device memory. Both are reset as a run starts,
-so that points a sweep trains one after another in the same process each report their own peak."""
+so that points a sweep trains one after another in the same process each report their own peak. (torch is imported
+where it is used: the CLI imports this module, and must not load torch before it has set its threads.)"""
 
 from __future__ import annotations
 
 import resource
 from pathlib import Path
 
-import torch
-
 CLEAR_REFS = Path("/proc/self/clear_refs")
 STATUS = Path("/proc/self/status")
+
+
+def size(n_bytes: float) -> str:
+    """Bytes as the plan and the errors show them (decimal units)."""
+    return f"{n_bytes / 1e9:.2f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.1f} MB"
 
 
 def reset_peaks() -> None:
@@ -18,6 +22,8 @@ def reset_peaks() -> None:
         CLEAR_REFS.write_text("5")
     except OSError:  # not Linux, or a kernel that does not allow it: the peak since the process started
         pass
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
@@ -47,6 +53,8 @@ def peaks(accelerator) -> dict[str, list[int]]:
     """Every rank's peaks, gathered (a collective): `peak_rss_bytes`, and on a GPU `peak_device_memory_bytes`
     (allocated: what the caching allocator handed out at most, tensors alone) and `peak_device_reserved_bytes`
     (reserved: what it held from the GPU at most, its cache included; what nvidia-smi counts, less the context)."""
+    import torch
+
     own = [peak_rss()]
     if torch.cuda.is_available():
         own += [torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()]

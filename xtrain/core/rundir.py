@@ -244,7 +244,8 @@ def moves_recorded(run_dir: Path) -> list[str]:
     return [line for line in file.read_text().splitlines() if line.startswith(MOVED)] if file.is_file() else []
 
 
-def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None, moved: dict | None = None) -> dict:
+def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None = None, moved: dict | None = None,
+              set_aside: list | None = None) -> dict:
     """What a run resumed in its own run dir carries over from the attempt before: its restarts, one more.
     Steps lost: those trained after the checkpoint resumed from (as far as metrics.jsonl shows them)."""
     before = read_result(run_dir)
@@ -253,7 +254,9 @@ def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None =
         "at_step": step,
         "steps_lost": max(0, last_logged - step),
         "ended": before.get("status", "unknown"),  # `running`: killed without a chance to record anything
-        "reason": before.get("error") or "killed without warning (no stop signal reached it)",
+        "reason": before.get("error") or ("it had completed: trained on with more steps"
+                                          if before.get("status") == Status.completed else
+                                          "killed without warning (no stop signal reached it)"),
         "stopped_at": stop.get("at"),
         "resumed_at": time.time(),
     }
@@ -261,6 +264,8 @@ def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None =
         restart["changed"] = changed
     if moved:  # another world or strategy than the checkpoint's: {"world": [4, 2], "strategy": [...], "grad_accum": ...}
         restart["moved"] = moved
+    if set_aside:  # newer checkpoints that failed their check: [{"checkpoint", "why", "set_aside"}]
+        restart["checkpoints_set_aside"] = set_aside
     if os.environ.get("SLURM_JOB_ID"):  # a sweep's point: <array job>_<task>, as slurm.json has it
         array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
         restart["slurm_job"] = "_".join(array) if all(array) else os.environ["SLURM_JOB_ID"]

@@ -327,6 +327,11 @@ def check(data: DataConfig) -> None:
         for builder, path in firsts.items():
             if builder != "text":
                 next(iter(source._read([path], Counts())), None)
+        for path in (p for p in source.files if file_format(p) is TEXT):
+            why = not_text(path)
+            if why:
+                raise ConfigError(f"data.files: {path} is not text ({why}); give UTF-8 text files, or records "
+                                  f"({', '.join(FORMATS)}) with data.text_column")
     elif data.source is DataSource.sft and data.files:
         Files(data)  # every pattern matches a file (the shapes are read while preparing)
     elif data.source in (DataSource.hf, DataSource.sft) and is_local_dataset_dir(data.name):
@@ -345,6 +350,29 @@ def check(data: DataConfig) -> None:
                 f"data.name={data.name}: cannot be loaded ({first_line(err)[:200]}); "
                 "give a save_to_disk directory, or a hub dataset that is cached or reachable"
             ) from None
+
+
+SNIFF = 8192  # bytes of a text file's head that `not_text` reads
+
+
+def not_text(path: str) -> str | None:
+    """Why a file read as text is none (binary: a NUL byte, or mostly bytes that are not UTF-8, in its head, with the
+    first one's offset); None for text, where a stray undecodable byte is replaced and counted."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(SNIFF)
+    except OSError as err:
+        return f"it cannot be read: {first_line(err)}"
+    nul = head.find(b"\0")
+    if nul >= 0:
+        return f"a NUL byte at offset {nul}"
+    decoded = head.decode("utf-8", errors="surrogateescape")
+    bad = [i for i, char in enumerate(decoded) if "\udc80" <= char <= "\udcff"]
+    if len(bad) > 0.1 * max(len(head), 1):
+        first = len(decoded[:bad[0]].encode("utf-8", errors="surrogateescape"))
+        return f"{len(bad)} of its first {len(head)} bytes are not UTF-8, the first at offset {first}"
+    return None
 
 
 def check_saved_dataset(data: DataConfig) -> None:

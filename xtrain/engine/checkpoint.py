@@ -1,29 +1,38 @@
-"""Checkpoints in `<run dir>/checkpoints/step_XXXXXXXX`: written aside, renamed into place, pruned.
+"""Checkpoints in `<run dir>/checkpoints/step_XXXXXXXX`: written aside, renamed into place, verified, pruned.
 
 A checkpoint is an Accelerate state (`save_state`) plus `xtrain_state.json` (step,
-tokens seen, model identity). A directory without that file is not a checkpoint: the
-file is written last, just before the rename, so a kill at any moment leaves either the
-previous newest checkpoint or a complete new one.
+tokens seen, model identity, each file's size and SHA-256). A directory without that file is not a
+checkpoint: the file is written last, after every file and directory is on disk (fsync), just before the
+rename, so a kill at any moment leaves either the previous newest checkpoint or a complete new one. A
+checkpoint whose files no longer match (a disk's or a copy's corruption) is not resumed from: `resume=auto`
+takes the newest that passes, and sets the others aside (`step_XXXXXXXX.corrupt`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
+import hashlib
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
 
-from xtrain.core.errors import ConfigError
-from xtrain.core.files import replace_dir
+from xtrain.core.errors import ConfigError, WriteFailed, one_line
+from xtrain.core.memory import size
+from xtrain.core.files import fsync_dir, replace_dir
 from xtrain.config import schema
 from xtrain.distributed import mesh
 from xtrain.engine import reshard
 from xtrain.core.rundir import CHECKPOINT_NAME, CHECKPOINT_STATE, checkpoint_name, checkpoints_dir, complete_checkpoints
 
 log = logging.getLogger("xtrain")
+
+
+FILES = "files"  # xtrain_state.json's record of every other file: {relative path: {"bytes", "sha256"}}
+SET_ASIDE = ".corrupt"  # the suffix of a checkpoint that failed its check, kept for a look, never resumed from
 
 
 def newest(run_dir: str | Path) -> Path | None:
@@ -35,6 +44,132 @@ def read_state(path: str | Path) -> dict:
     return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
 
 
+PIECE = 16 << 20  # a file is hashed in pieces of this size, in parallel: its digest is the SHA-256 of theirs
+
+
+def _digests(files: list[Path], sync: bool = False) -> list[str]:
+    """Each file's digest: the SHA-256 of the SHA-256s of its 16 MiB pieces, hashed on up to 8 threads (hashlib and
+    reads let go of the GIL: several GB/s where one SHA-256 stream gives ~0.6). `sync`: each file flushed to disk."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def piece(job: tuple[int, int]) -> bytes:
+        fd, offset = job
+        return hashlib.sha256(os.pread(fd, PIECE, offset)).digest()
+
+    fds = [os.open(file, os.O_RDONLY) for file in files]
+    try:
+        jobs = [[(fd, offset) for offset in range(0, max(os.fstat(fd).st_size, 1), PIECE)] for fd in fds]
+        with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+            pieces = [list(pool.map(piece, file_jobs)) for file_jobs in jobs]
+        if sync:
+            for fd in fds:
+                os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [hashlib.sha256(b"".join(parts)).hexdigest() for parts in pieces]
+
+
+def record_files(path: Path) -> dict:
+    """Every file under the checkpoint being written at `path`: its size and digest, each file and directory
+    flushed to disk on the way."""
+    files = sorted(p for p in path.rglob("*") if p.is_file())
+    digests = _digests(files, sync=True)
+    for folder in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+        fsync_dir(folder)
+    return {file.relative_to(path).as_posix(): {"bytes": file.stat().st_size, "sha256": digest}
+            for file, digest in zip(files, digests)}
+
+
+_checked: dict[tuple, str | None] = {}  # (path, each file's size and mtime) -> `failure`'s answer, in this process
+
+
+def failure(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (its state file unreadable, a file missing, cut short or
+    changed since it was written); None where it passes. A checkpoint written before checksums were recorded passes
+    on its state file alone."""
+    try:
+        key = (str(path), *sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).rglob("*")))
+        if key in _checked:
+            return _checked[key]
+        state = read_state(path)
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("no step recorded")
+    except (OSError, ValueError) as err:
+        return f"its {CHECKPOINT_STATE} cannot be read ({type(err).__name__}: {err})"
+    why = None
+    recorded = state.get(FILES, {})
+    for name, want in recorded.items():
+        file = Path(path) / name
+        size = file.stat().st_size if file.is_file() else None
+        if size is None:
+            why = f"{name} is missing"
+        elif size != want["bytes"]:
+            why = f"{name} holds {size:,} bytes, {want['bytes']:,} were written"
+        if why:
+            break
+    names = list(recorded) if why is None else []
+    for name, digest in zip(names, _digests([Path(path) / name for name in names])):
+        if digest != recorded[name]["sha256"]:
+            why = f"{name} does not match the checksum it was written with"
+            break
+    _checked[key] = why
+    return why
+
+
+def set_aside(path: Path) -> Path:
+    """Move a checkpoint that failed its check out of the way (`step_N.corrupt`, or `.corrupt.2` ...): kept for a
+    look, never resumed from or pruned."""
+    target, n = path.with_name(path.name + SET_ASIDE), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{SET_ASIDE}.{n}")
+    os.rename(path, target)
+    return target
+
+
+def newest_passing(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint that passes its check, and the newer ones that fail it (newest first, with why)."""
+    failing = []
+    for path in reversed(complete_checkpoints(run_dir)):
+        why = failure(path)
+        if why is None:
+            return path, failing
+        failing.append((path, why))
+    return None, failing
+
+
+def _refuse_none_pass(resume: str, failing: list[tuple[Path, str]]) -> None:
+    listed = "; ".join(f"{path.name}: {why}" for path, why in failing)
+    raise ConfigError(f"resume={resume}: no checkpoint passes its check ({listed}); start again with resume=none "
+                      "in a new run_dir, or give resume=<a checkpoint directory> copied from elsewhere")
+
+
+_reported: set[str] = set()
+
+
+def _report(failing: list[tuple[Path, str]], chosen: Path) -> None:
+    for path, why in failing:
+        if str(path) not in _reported:
+            _reported.add(str(path))
+            log.warning("checkpoint %s fails its check: %s; resuming from %s instead", path, why, chosen.name)
+
+
+def set_aside_failing(run_dir: str | Path, resume: str = "auto") -> list[dict]:
+    """The main process, as a run resumes its own newest checkpoint: the newer ones that fail their check are set
+    aside, each named in a line; what was set aside (for the restart's record). A ConfigError where none passes."""
+    chosen, failing = newest_passing(run_dir)
+    if failing and chosen is None:
+        _refuse_none_pass(resume, failing)
+    moved = []
+    for path, why in failing:
+        target = set_aside(path)
+        log.warning("checkpoint %s fails its check: %s; set aside as %s, resuming from %s", path, why, target.name,
+                    chosen.name)
+        moved.append({"checkpoint": path.name, "why": why, "set_aside": target.name})
+    return moved
+
+
 def identity(cfg, task=None) -> dict:
     """What a checkpoint records of the run that wrote it: the model (a resume must match it), the strategy and the
     number of processes (a resume may move them: reshard.py) (`task`: the run's, where it has one already)."""
@@ -44,27 +179,41 @@ def identity(cfg, task=None) -> dict:
             "processes": cfg.cluster.world_size}
 
 
-def resolve(resume: str, run_dir: str | Path, expected: dict, cfg) -> Path | None:
+def resolve(resume: str, run_dir: str | Path, expected: dict, cfg, checked: bool = False) -> Path | None:
     """The checkpoint to resume from (None: fresh start), checked against this run's `identity`: the same model, and
-    one that can move to this run's strategy and world."""
+    one that can move to this run's strategy and world; and its files against their checksums, unless `checked` (the
+    main process did, and set aside what failed: `set_aside_failing`)."""
     if resume == "none":
         return None
-    if resume == "auto":
+    if resume == "auto" and checked:
         path = newest(run_dir)
         if path is None:
             return None
+    elif resume == "auto":
+        path, failing = newest_passing(run_dir)
+        if failing and path is None:
+            _refuse_none_pass(resume, failing)
+        if path is None:
+            return None
+        _report(failing, path)
     else:
         path = Path(os.path.expanduser(resume))
         if not path.exists():
             raise ConfigError(f"resume={resume}: no such checkpoint; use resume=auto, resume=none or a checkpoint directory")
         if not (path / CHECKPOINT_STATE).is_file():
-            newest_inside = newest(path)
+            newest_inside, failing = newest_passing(path)
+            if failing and newest_inside is None:
+                _refuse_none_pass(resume, failing)
             if newest_inside is None:
                 raise ConfigError(
                     f"resume={resume}: not an xtrain checkpoint (no {CHECKPOINT_STATE}); "
                     "give <run dir>/checkpoints/step_N or a run dir that has checkpoints"
                 )
+            _report(failing, newest_inside)
             path = newest_inside
+        why = None if checked else failure(path)
+        if why:
+            raise ConfigError(f"resume={resume}: {path} fails its check: {why}; give another checkpoint")
     state = read_state(path)
     saved, wanted = state.get("model", {}), expected["model"]
     if saved != wanted:
@@ -75,6 +224,15 @@ def resolve(resume: str, run_dir: str | Path, expected: dict, cfg) -> Path | Non
     if why:
         raise ConfigError(f"resume={resume}: {why}")
     return path
+
+
+def export_unfinished(run_dir: str | Path, path: Path, max_steps: int) -> bool:
+    """The run dir's own checkpoint `path` has trained all `max_steps`, but the run never recorded its end (killed,
+    or failed, in its export): resuming it finishes the export."""
+    from xtrain.core.rundir import Status, read_result
+
+    return (path.parent == checkpoints_dir(run_dir) and read_state(path)["step"] == max_steps
+            and read_result(Path(run_dir)).get("status") != Status.completed.value)
 
 
 def keep_effective_batch(cfg):
@@ -108,32 +266,78 @@ def remove_partial(run_dir: str | Path) -> None:
 
 def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, only_trainable: bool = False) -> Path:
     """Every rank calls this; the main process publishes the checkpoint and prunes old ones. `only_trainable`
-    (LoRA): the frozen weights are left out (they are the pretrained model's)."""
+    (LoRA): the frozen weights are left out (they are the pretrained model's). A save that fails (the disk full,
+    read-only) removes what it wrote and raises WriteFailed: the newest checkpoint before it is kept."""
     root = checkpoints_dir(run_dir)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{checkpoint_name(step)}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    hook = accelerator.register_save_state_pre_hook(_drop_frozen) if only_trainable else None
     try:
-        with _fsdp_adapter_only(accelerator, only_trainable):
-            accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
-    finally:
-        if hook is not None:
-            hook.remove()
-    accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        hook = accelerator.register_save_state_pre_hook(_drop_frozen) if only_trainable else None
+        try:
+            with _fsdp_adapter_only(accelerator, only_trainable):
+                accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
+        finally:
+            if hook is not None:
+                hook.remove()
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            files = record_files(tmp)
+            with open(tmp / CHECKPOINT_STATE, "w") as f:
+                f.write(json.dumps({"step": step, **state, FILES: files}, indent=2))
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            replace_dir(tmp, final)
+    except Exception as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # (any rank that failed: the space it took is given back)
+        previous = newest(run_dir)
+        need = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) if previous else _state_bytes(accelerator)
+        kept = f"{previous.name} is kept" if previous else "there is no earlier checkpoint"
+        raise WriteFailed(write_failure(err, f"the checkpoint of step {step}", root, need, kept, run_dir)) from err
     if accelerator.is_main_process:
-        state_file = tmp / CHECKPOINT_STATE
-        state_file.write_text(json.dumps({"step": step, **state}, indent=2))
-        with open(state_file) as f:
-            os.fsync(f.fileno())
-        replace_dir(tmp, final)
         for stale in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(stale)
     accelerator.wait_for_everyone()
     return final
+
+
+def write_failure(err: Exception, what: str, where: Path, need: int, kept: str, run_dir: str | Path) -> str:
+    """Why `what` could not be written to `where`, in one line: what it needed, what is `kept`, how to go on."""
+    chain, cause = [], err
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)  # (torch.save hides it)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if code == errno.ENOSPC or code is None and free is not None and free < need:
+        why = f"no space left on the device (it takes about {size(need)}, {size(free or 0)} is free)"
+    elif code == errno.EROFS:
+        why = "its filesystem is read-only"
+    elif code in (errno.EACCES, errno.EPERM):
+        why = "permission denied"
+    else:
+        why = one_line(err)
+    return (f"{what} could not be written to {where}: {why}; its partial files are removed and {kept}; make room "
+            f"(or fix that), then run the same command with run_dir={run_dir} resume=auto")
+
+
+def _state_bytes(accelerator) -> int:
+    """What a checkpoint of this rank's model and optimizer holds, about (where there is none to measure yet)."""
+    import torch
+
+    total = sum(t.numel() * t.element_size() for m in accelerator._models for t in m.state_dict().values()
+                if torch.is_tensor(t))
+    for optimizer in accelerator._optimizers:
+        for values in optimizer.state_dict().get("state", {}).values():
+            total += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
+    return total * accelerator.num_processes
 
 
 def load(accelerator, path: Path, cfg) -> None:

@@ -26,7 +26,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from xtrain.config import schema
 from xtrain.config.schema import Export, Precision, RunConfig
 from xtrain.core import machine, memory, rundir, stopping
-from xtrain.core.errors import one_line
+from xtrain.core.errors import WriteFailed, one_line
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
 from xtrain.distributed import compiling, fp8, mesh, plugins
@@ -100,8 +100,12 @@ class Run:
         assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg.strategy), "no autocast"
         set_seed(cfg.trainer.seed)
         task = task_for(cfg)
-        self.resumed_from = checkpoint.resolve(resume_setting(cfg.resume, run_dir), run_dir,
-                                               checkpoint.identity(cfg, task), cfg)
+        resume_from, self.set_aside = resume_setting(cfg.resume, run_dir), []
+        if accelerator.is_main_process and resume_from == "auto":
+            self.set_aside = checkpoint.set_aside_failing(run_dir)
+        accelerator.wait_for_everyone()
+        self.resumed_from = checkpoint.resolve(resume_from, run_dir, checkpoint.identity(cfg, task), cfg,
+                                               checked=not accelerator.is_main_process)
         if accelerator.is_main_process:
             checkpoint.remove_partial(run_dir)
         self.c = c = build_components(cfg, accelerator, task)
@@ -109,6 +113,10 @@ class Run:
         model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
         last_logged, changed = self.restore()
         self.start_step = start = self.progress.step
+        self.finishing = start == cfg.trainer.max_steps  # (trained already: only its export is left to do)
+        if self.finishing:
+            log.info("resume: %s has trained all %d steps, but the run did not end: finishing its export",
+                     self.resumed_from, start)
         c.speed = measure_speed(cfg, accelerator, c, c.n_params)
         c.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
         trackers = tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start, last_logged)
@@ -192,6 +200,10 @@ class Run:
         """This attempt's record in result.json, from the start: the best values so far, the model model/ holds, a
         restart entry."""
         result, p, run_dir = self.result, self.progress, self.run_dir
+        if self.finishing and self.accelerator.is_main_process:  # what the attempt that trained recorded stays
+            trained = rundir.read_result(run_dir)
+            result.update({key: value for key, value in trained.items()
+                           if key not in result and key not in ("status", "error", "stop")})
         result.update(p.best, monitor=p.monitor.state())
         if self.cfg.trainer.export is Export.best and p.monitor.best_step is not None:  # model/ holds that eval's model
             kept = rundir.read_result(run_dir) if self.accelerator.is_main_process else {}
@@ -200,7 +212,7 @@ class Run:
                 result.update({key: kept[key] for key in ("model_eval", "model_test") if key in kept})
         if self.accelerator.is_main_process:
             if self.resumed_from is not None and self.resumed_from.parent == rundir.checkpoints_dir(run_dir):
-                result.update(rundir.continued(run_dir, p.step, last_logged, changed, self.moved))
+                result.update(rundir.continued(run_dir, p.step, last_logged, changed, self.moved, self.set_aside))
             elif changed:  # resumed from another run's checkpoint
                 result["changed_from_checkpoint"] = changed
                 if self.moved:
@@ -336,7 +348,8 @@ class Run:
         accelerator.end_training()  # destroys the process group: no collective after it
         if accelerator.num_processes > 1:
             _HELD_UNTIL_EXIT.append((accelerator, c))
-        c.speed.record(result, c.task.throughput_unit, seen, time.time() - self.process_start)
+        if not self.finishing:  # (an attempt that only exported has no speed of its own)
+            c.speed.record(result, c.task.throughput_unit, seen, time.time() - self.process_start)
         pruned = stop is not None and stop["signal"] == pruning.PRUNER
         early = stop is not None and stop["signal"] in (EARLY_STOP, CALLBACK_STOP)
         result.update(
@@ -356,8 +369,10 @@ class Run:
         if accelerator.is_main_process:
             rundir.update_result(self.run_dir, result)
             if stop is None or early:
+                speed = ("model/ exported from its checkpoint" if self.finishing
+                         else reporting.speed_text(result, c.task.throughput_unit))
                 log.info("done: %d steps | %s | %s | %s", result["steps"], reporting.eval_text(result, final=True),
-                         reporting.speed_text(result, c.task.throughput_unit), self.run_dir)
+                         speed, self.run_dir)
         return result
 
     def save_checkpoint(self) -> None:
@@ -388,12 +403,19 @@ class Run:
             return  # (ZeRO-3 consolidates on the main process only: here it is None)
         log.info("step %d | exporting model/", step)
         tmp = self.run_dir / f".tmp-{rundir.MODEL}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        c.task.export(accelerator.unwrap_model(c.model), fp8.unwrapped(state_dict), tmp)
-        for made in sorted(tmp.iterdir()):
-            replace_dir(made, self.run_dir / made.name)
-        tmp.rmdir()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            c.task.export(accelerator.unwrap_model(c.model), fp8.unwrapped(state_dict), tmp)
+            for made in sorted(tmp.iterdir()):
+                replace_dir(made, self.run_dir / made.name)
+            tmp.rmdir()
+        except Exception as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            newest = checkpoint.newest(self.run_dir)
+            kept = f"the newest checkpoint ({newest.name}) is kept" if newest else "there is no checkpoint"
+            raise WriteFailed(checkpoint.write_failure(err, f"step {step}'s {rundir.MODEL}/", self.run_dir,
+                                                       memory.parameter_bytes(c.model), kept, self.run_dir)) from err
 
 
 def val_values(result: dict) -> dict:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, Strategy, TargetModel, TaskKind
 from xtrain.config.task import block_tokens, given
 from xtrain.core import machine
+from xtrain.core.memory import size
 from xtrain.core.errors import ConfigError
 from xtrain.distributed import mesh, plugins
 from xtrain.distributed.estimate import GB, Memory, device_memory, smallest_fit
@@ -96,17 +97,21 @@ def for_job(cfg: RunConfig, refusal: str | None = None) -> Plan:
     return make(cfg, refusal, None, c.mem_gb, job_nodes=True)
 
 
-def warn_if_short_of_memory(cfg: RunConfig) -> None:
+def check_memory(cfg: RunConfig) -> None:
     """A run whose estimate exceeds the memory it trains in (this machine's; a SLURM job's CPU nodes',
-    `cluster.mem_gb`) is told so in one line before anything starts or is queued, and goes on as asked (the estimate
-    leaves out what backward holds at once). One planned against `cluster.gpu_memory_gb` is `check_fits`'s."""
+    `cluster.mem_gb`) is refused before anything starts or is queued, with the smallest change that fits (the
+    estimate leaves out what backward holds at once: the run would not fit either); `cluster.check_memory=false`:
+    told so in one line, and started as asked. One planned against `cluster.gpu_memory_gb` is `check_fits`'s."""
     if cfg.cluster.gpu_memory_gb is not None:
         return
     job = hardware.submitting_to_slurm(cfg.cluster)
     found = for_job(cfg) if job else for_this_machine(cfg)
     if found.fits is False:
-        log.warning("memory: the plan's estimate does not fit %s: %s", "the job's nodes" if job else "this machine",
-                    fits_words(found).removeprefix("NO: "))
+        where = "the job's nodes" if job else "this machine"
+        what = f"the plan's estimate does not fit {where}: {fits_words(found).removeprefix('NO: ')}"
+        if cfg.cluster.check_memory:
+            raise ConfigError(f"memory: {what}; or set cluster.check_memory=false to start it anyway")
+        log.warning("memory: %s (cluster.check_memory=false: starting it anyway)", what)
 
 
 def not_fitting(plan: Plan) -> str:
@@ -240,10 +245,6 @@ def batch_unit(cfg: RunConfig, effective: int) -> str:
     if cfg.task.name is TaskKind.causal_lm:
         return "sequences per optimizer step (each padded to the longest of its batch)"
     return "examples per optimizer step"
-
-
-def size(n_bytes: float) -> str:
-    return f"{n_bytes / GB:.2f} GB" if n_bytes >= 0.1 * GB else f"{n_bytes / 1e6:.1f} MB"
 
 
 def _model_name(model: ModelConfig | TargetModel) -> str:

@@ -22,7 +22,7 @@ from xtrain.config import schema
 from xtrain.config.cluster import ClusterConfig, ClusterKind
 from xtrain.config.schema import Offload, RunConfig
 from xtrain.config.task import check_monitor
-from xtrain.core import machine, rundir
+from xtrain.core import machine, rundir, runlock
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
 from xtrain.distributed import fp8, mesh, plugins
@@ -73,13 +73,14 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         fp8.check(cfg.precision, facts.fp8_layers, facts.model_class)
     if not planning:  # (a dry run's plan shows what does not fit)
         plan.check_fits(cfg)
-        plan.warn_if_short_of_memory(cfg)
+        plan.check_memory(cfg)
         if hardware.slow_precision(cfg):
             log.warning("speed: %s", hardware.slow_precision(cfg))
     resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
-        if state["step"] >= cfg.trainer.max_steps:
+        finishing = checkpoint.export_unfinished(cfg.run_dir, resume_from, cfg.trainer.max_steps)  # (the loop says so)
+        if state["step"] >= cfg.trainer.max_steps and not finishing:
             raise ConfigError(
                 f"resume={cfg.resume}: {resume_from} has already trained {state['step']} steps; "
                 f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps "
@@ -188,15 +189,20 @@ def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
 @contextlib.contextmanager
 def taken_back_if_refused(path: Path):
     """What a launch writes into the run dir `path` is taken back if it is refused (a ConfigError) before anything
-    ran: the entries it added removed, the files it rewrote (run.yaml, the accelerate files) restored, and `path`
-    itself removed where it was not there. Nothing else is touched: a run dir may hold files of the user's."""
+    ran (before its trainer recorded a start in result.json): the entries it added removed, the files it rewrote
+    (run.yaml, the accelerate files) restored, and `path` itself removed where it was not there. Nothing else is
+    touched: a run dir may hold files of the user's."""
     existed = path.is_dir()
     before = {p.name for p in path.iterdir()} if existed else set()
     kept = {name: (path / name).read_bytes() for name in (rundir.RUN_CONFIG, ACCELERATE_CONFIG, DEEPSPEED_CONFIG)
             if (path / name).is_file()}
+    result = path / rundir.RESULT
+    recorded = result.read_bytes() if result.is_file() else None
     try:
         yield
     except ConfigError:
+        if (result.read_bytes() if result.is_file() else None) != recorded:  # it started: what it wrote stays
+            raise
         for entry in (path.iterdir() if path.is_dir() else []):
             if entry.name not in before:
                 shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
@@ -208,7 +214,9 @@ def taken_back_if_refused(path: Path):
 
 
 def check_free(cfg: RunConfig) -> None:
-    """Refuse to start over a run that is there already (unless resuming)."""
+    """Refuse to start over a run that is there already (unless resuming), or into a run dir that another process
+    trains into now."""
+    runlock.check_free(cfg.run_dir)
     if cfg.resume == "none" and rundir.holds_run(Path(cfg.run_dir)):
         raise ConfigError(
             f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -264,6 +265,28 @@ def recorded_its_end(result: dict, before: dict) -> bool:
     return result != before and (status in (rundir.Status.completed, rundir.Status.pruned) or stopped)
 
 
+ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+
+
+def killed_rank(launcher_log: Path, node_rank: int) -> dict | None:
+    """The rank torchrun saw fail first where it left no error of its own (killed outright: SIGKILL, the OOM killer,
+    a crash), from torchrun's report in this node's launcher log, as `rundir.first_rank_error` gives one."""
+    try:
+        found = ROOT_CAUSE.findall(launcher_log.read_text(errors="replace"))
+    except OSError:
+        return None
+    if not found:
+        return None
+    rank, exitcode = int(found[-1][0]), int(found[-1][1])
+    if exitcode < 0:
+        how = f"was killed by {signal.Signals(-exitcode).name}"
+        how += " (by hand, or the kernel's OOM killer: see dmesg)" if exitcode == -signal.SIGKILL else ""
+    else:
+        how = f"exited with code {exitcode} without an error of its own (a crash in native code?)"
+    return {"rank": rank, "summary": f"its process {how}", "terminated": False, "config_error": False,
+            "diverged": False, "one_line": True, "traceback": "", "node": node_rank}
+
+
 def run(cluster: ClusterConfig, run_dir: Path) -> dict:
     """The CLI's multi-process run: workers train from the run dir; failures become LaunchFailed / ConfigError."""
     c = cluster
@@ -274,6 +297,8 @@ def run(cluster: ClusterConfig, run_dir: Path) -> dict:
                          ended=lambda: recorded_its_end(rundir.read_result(run_dir), before))
         asked = stopping.requested()
     error = rundir.first_rank_error(run_dir)
+    if code > 0 and (error is None or error["terminated"]):  # (the rank that failed first could not say why)
+        error = killed_rank(run_dir / "logs" / f"launcher-node{c.node_rank}.log", c.node_rank) or error
     if code < 0 and error is not None and not error["terminated"]:
         code = 1  # stopped because a rank on another node failed (SLURM ends a job's tasks when one fails)
     if code < 0:

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from xtrain.core import stopping
-from xtrain.core.errors import CallbackFailed, ConfigError, Diverged, Terminated
+from xtrain.core.errors import ONE_LINE, ConfigError, Diverged, Terminated
 from xtrain.core.files import keep_private, write_atomic
 from xtrain.core.rundir import ERRORS_DIR
 
@@ -55,7 +55,7 @@ def write_error(run_dir: Path, rank: int, err: BaseException, timeout_s: int | N
         "time": time.time(),
         "config_error": isinstance(err, ConfigError),
         "diverged": isinstance(err, Diverged),
-        "one_line": isinstance(err, (Diverged, CallbackFailed)),  # its summary says it all: no traceback shown
+        "one_line": isinstance(err, ONE_LINE),  # its summary says it all: no traceback shown
         "terminated": isinstance(err, Terminated),
         "summary": summarize(err, timeout_s),
         "traceback": "".join(traceback.format_exception(err)),
