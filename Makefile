@@ -59,3 +59,4 @@ bench: $(TEST_READY)
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/finetune.py
 	$(BIN)/python benchmarks/tune.py
+	$(BIN)/python benchmarks/checkpoint.py

@@ -34,7 +34,7 @@ strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficie
 strategy.cp
 precision.name precision.fp8_backend precision.fp8_recipe precision.fp8_skip
 cluster.kind cluster.nodes cluster.min_nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
-cluster.timeout_s cluster.gpu_memory_gb cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
+cluster.timeout_s cluster.gpu_memory_gb cluster.check_memory cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
 cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
 cluster.max_requeues

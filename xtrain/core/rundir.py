@@ -116,6 +116,14 @@ def read_result(run_dir: Path) -> dict:
         return {}
 
 
+def result_bytes(run_dir: Path) -> bytes | None:
+    """result.json as it is on disk now (None before it is written): whether a run recorded anything since."""
+    try:
+        return (Path(run_dir) / RESULT).read_bytes()
+    except FileNotFoundError:
+        return None
+
+
 @contextlib.contextmanager
 def _locked(run_dir: Path):
     """Writers of one run's result.json on this machine take turns (the read-merge-write is one step)."""

@@ -1,7 +1,7 @@
 """Checkpoints in `<run dir>/checkpoints/step_XXXXXXXX`: written aside, renamed into place, verified, pruned.
 
 A checkpoint is an Accelerate state (`save_state`) plus `xtrain_state.json` (step,
-tokens seen, model identity, each file's size and SHA-256). A directory without that file is not a
+tokens seen, model identity, each file's size and digest). A directory without that file is not a
 checkpoint: the file is written last, after every file and directory is on disk (fsync), just before the
 rename, so a kill at any moment leaves either the previous newest checkpoint or a complete new one. A
 checkpoint whose files no longer match (a disk's or a copy's corruption) is not resumed from: `resume=auto`
@@ -101,11 +101,11 @@ def failure(path: Path) -> str | None:
     recorded = state.get(FILES, {})
     for name, want in recorded.items():
         file = Path(path) / name
-        size = file.stat().st_size if file.is_file() else None
-        if size is None:
+        held = file.stat().st_size if file.is_file() else None
+        if held is None:
             why = f"{name} is missing"
-        elif size != want["bytes"]:
-            why = f"{name} holds {size:,} bytes, {want['bytes']:,} were written"
+        elif held != want["bytes"]:
+            why = f"{name} holds {held:,} bytes, {want['bytes']:,} were written"
         if why:
             break
     names = list(recorded) if why is None else []

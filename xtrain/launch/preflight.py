@@ -196,12 +196,11 @@ def taken_back_if_refused(path: Path):
     before = {p.name for p in path.iterdir()} if existed else set()
     kept = {name: (path / name).read_bytes() for name in (rundir.RUN_CONFIG, ACCELERATE_CONFIG, DEEPSPEED_CONFIG)
             if (path / name).is_file()}
-    result = path / rundir.RESULT
-    recorded = result.read_bytes() if result.is_file() else None
+    recorded = rundir.result_bytes(path)
     try:
         yield
     except ConfigError:
-        if (result.read_bytes() if result.is_file() else None) != recorded:  # it started: what it wrote stays
+        if rundir.result_bytes(path) != recorded:  # it started: what it wrote stays
             raise
         for entry in (path.iterdir() if path.is_dir() else []):
             if entry.name not in before:
