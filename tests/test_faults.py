@@ -92,7 +92,7 @@ def test_a_kill_in_the_final_export_is_finished_by_resume_auto(tmp_path, small_w
 
 def test_one_trainer_per_run_dir_a_second_is_refused_naming_the_live_one_until_it_is_gone(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [*PACED, *TWELVE, "trainer.max_steps=30"]
+    overrides = [*PACED, *TWELVE, "trainer.max_steps=40"]  # (10 s or more after step 6: the refusals fit)
     proc = start_xtrain(f"run_dir={run_dir}", *overrides, quiet=True)
     try:
         deadline = time.monotonic() + 120
@@ -106,6 +106,7 @@ def test_one_trainer_per_run_dir_a_second_is_refused_naming_the_live_one_until_i
                                   f"kill -TERM {proc.pid} saves a checkpoint")
         assert_one_line_error(xtrain_in_process(str(run_dir), "split=val", command="xtrain.eval", check=False),
                               f"pid {proc.pid}")
+        assert proc.poll() is None  # (still training: each refusal was of a live run)
         assert {name: (run_dir / name).read_bytes() for name in written} == written
         assert read_result(run_dir)["status"] == "running" and "restarts" not in read_result(run_dir)
     finally:
@@ -275,3 +276,23 @@ def test_a_worker_killed_outright_is_the_rank_named(tmp_path):
     result = read_result(run_dir)
     assert result["status"] == "failed" and result["error"].startswith("rank 1: its process was killed by SIGKILL")
     assert f"run the same command with run_dir={run_dir} resume=auto" in status(run_dir)
+
+
+def test_a_full_disk_in_the_final_export_is_one_line_and_resume_auto_finishes_it(tmp_path, small_whole):
+    """A tmpfs that holds the run's one checkpoint (1 MB) but not its model/ (0.3 MB more) as well."""
+    once = [*SMALL, *TWELVE, "trainer.save_every=12"]
+    with tmpfs(tmp_path / "disk", "1200k") as disk:
+        run_dir = disk / "run"
+        proc = xtrain_in_process(f"run_dir={run_dir}", *once, check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"xtrain: error: step 12's model/ could not be written to {run_dir}: no space left on the "
+                               "device") and f"the newest checkpoint ({STEP_12}) is kept" in line
+        assert not (run_dir / "model").exists() and not (run_dir / ".tmp-model").exists()
+        assert read_result(run_dir)["status"] == "failed"
+
+        subprocess.run(["mount", "-o", "remount,size=10m", str(disk)], check=True)
+        run_xtrain(f"run_dir={run_dir}", *once, "resume=auto")
+        result = read_result(run_dir)
+        assert result["status"] == "completed" and result["restarts"][0]["ended"] == "failed"
+        assert_same_model(small_whole, run_dir)
