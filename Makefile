@@ -40,9 +40,9 @@ $(TEST_READY): $(READY)
 test: $(TEST_READY)
 	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --durations=15 $(ARGS)
 
-# For local iteration only: skips the tests marked slow (CI runs everything: make test).
+# The unit and component tiers (tests/tiers.py): no process started. For local iteration; CI runs everything.
 test-fast: $(TEST_READY)
-	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --durations=15 -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --durations=15 -m "unit or component" $(ARGS)
 
 # The docs site at http://127.0.0.1:8000 (rebuilt on every change).
 docs: $(READY)

@@ -3,7 +3,7 @@
 Every strategy trains the same model with the same batch (2 processes x `--batch`) through
 the real CLI; the strategies alternate `--repeats` times and the medians are compared.
 tokens/s is xtrain's own log window over the second half of `--steps`. ZeRO and FSDP run on
-the CPU through the test seams (`XTRAIN_TEST_ZERO_ON_CPU`, `XTRAIN_TEST_FSDP_ON_CPU`): these
+the CPU through the test suite's seams (`tests/seams/zero_on_cpu.py`, `fsdp_on_cpu.py`): these
 are CPU figures over gloo, not a prediction for GPUs.
 
     python benchmarks/strategies.py [--steps 40] [--repeats 3] [--batch 8] [override ...]
@@ -20,7 +20,8 @@ from pathlib import Path
 from launch import run
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
-SEAMS = {"XTRAIN_TEST_ZERO_ON_CPU": "1", "XTRAIN_TEST_FSDP_ON_CPU": "1"}
+SEAMS = {"XTRAIN_SEAMS": ",".join(str(Path(__file__).resolve().parents[1] / "tests" / "seams" / f"{name}.py")
+                                 for name in ("zero_on_cpu", "fsdp_on_cpu"))}
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import tiers
 from xtrain.backends.registry import resolve_auto
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
@@ -37,6 +38,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+SEAMS = Path(__file__).resolve().parent / "seams"
+
+
+def seams(*names: str) -> dict[str, str]:
+    """The environment that installs the named seams (tests/seams/<name>.py) in a run and every process it starts."""
+    return {"XTRAIN_SEAMS": ",".join(str(SEAMS / f"{name}.py") for name in names)}
+
+
+ZERO_ON_CPU, FSDP_ON_CPU, FP16_ON_CPU, FP8_ON_CPU = (seams(f"{kind}_on_cpu") for kind in ("zero", "fsdp", "fp16", "fp8"))
 
 # A short run of the default model and data: a few seconds on a 2-core CPU.
 SHORT = ["trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4", "trainer.eval_every=6",
@@ -82,7 +92,27 @@ def pytest_collection_modifyitems(items):
 
     for item in items:
         item.add_marker(pytest.mark.xdist_group(unit(item)))
+        item.add_marker(getattr(pytest.mark, tiers.tier(item)))
     items.sort(key=rank)
+
+
+@pytest.fixture(autouse=True)
+def tier_kept(request, monkeypatch):
+    """A unit or component test that starts a process fails: tests/tiers.py gave it the wrong tier."""
+    if request.node.get_closest_marker("e2e"):
+        yield
+        return
+    started = []
+    as_shipped = subprocess.Popen.__init__
+
+    def recorded(self, args, *rest, **kwargs):
+        started.append(args)
+        as_shipped(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recorded)
+    yield
+    assert not started, (f"{request.node.name} starts a process ({started[0]}), and tests/tiers.py makes it a "
+                         "unit or component test: add what starts it to tiers.E2E")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -295,6 +325,27 @@ def compose_run(*overrides: str) -> RunConfig:
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
     return resolve_auto(schema.from_container(cfg))
+
+
+def refusal(*overrides: str) -> str:
+    """The line `python -m xtrain` refuses `overrides` with (after `xtrain: error: `), found in this process by its
+    checks alone: Hydra's composition, the typed config and its resolution, then preflight, which writes nothing."""
+    from xtrain.commands import cli
+    from xtrain.core.errors import ConfigError
+    from xtrain.launch import preflight
+
+    import yaml
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    argv, sys.argv = sys.argv, ["xtrain", *overrides]  # (a refusal quotes the override as the user typed it)
+    try:
+        preflight.preflight(compose_run(*overrides))
+    except (ConfigError, HydraException, OmegaConfBaseException, yaml.YAMLError) as err:
+        return cli.refusal_line(err)
+    finally:
+        sys.argv = argv
+    raise AssertionError(f"{' '.join(overrides)}: not refused")
 
 
 def assert_one_line_error(proc, *expected: str) -> str:

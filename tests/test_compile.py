@@ -88,7 +88,7 @@ def test_compile_tuning_needs_compile_and_gpus_and_lasts_as_long_as_its_run(tmp_
     import torch._inductor.config as inductor
 
     from xtrain.config.trainer import TrainerConfig
-    from xtrain.distributed import compiling
+    from xtrain.parallel import compiling
 
     before = {name: getattr(inductor, name) for name in compiling.TUNING}
     with compiling.tuning(TrainerConfig(compile=True, compile_tuning=True)):

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from conftest import (REPO, assert_equal_weights, assert_one_line_error, read_metrics, read_result, run_xtrain,
-                      start_xtrain)
+from conftest import (FSDP_ON_CPU, REPO, ZERO_ON_CPU, assert_equal_weights, assert_one_line_error, read_metrics,
+                      read_result, run_xtrain, start_xtrain)
 
 SPELLED = ["task=custom", "model._target_=mymodels.cnn", "+model.channels=16", "data.train._target_=mydata.digits",
            "+data.train.split=train", "data.val._target_=mydata.digits", "+data.val.split=val",
@@ -393,10 +393,10 @@ def blocks_weights(*run_dirs):
 
 # ZeRO partitions and reduce-scatters in buckets, FSDP2 per block: their sums round differently from one process's
 @pytest.mark.parametrize("strategy,env", [
-    ("zero1", "XTRAIN_TEST_ZERO_ON_CPU"),
-    ("zero2", "XTRAIN_TEST_ZERO_ON_CPU"),
-    ("zero3", "XTRAIN_TEST_ZERO_ON_CPU"),
-    ("fsdp", "XTRAIN_TEST_FSDP_ON_CPU"),
+    ("zero1", ZERO_ON_CPU),
+    ("zero2", ZERO_ON_CPU),
+    ("zero3", ZERO_ON_CPU),
+    ("fsdp", FSDP_ON_CPU),
 ])
 def test_a_custom_model_under_every_sharded_strategy_follows_one_process(project, blocks_one_process, tmp_path,
                                                                         strategy, env):
@@ -460,7 +460,7 @@ def test_two_ranks_stop_early_together_at_a_step_boundary(project, tmp_path):
 def test_fsdp_refuses_a_model_without_a_repeated_block_in_one_line(project, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_xtrain(f"run_dir={run_dir}", *SPELLED, "strategy=fsdp", "cluster.num_processes=2", check=False,
-                      env={"XTRAIN_TEST_FSDP_ON_CPU": "1"}, cwd=project)
+                      env=FSDP_ON_CPU, cwd=project)
     assert_one_line_error(proc, "strategy.wrap_layer is empty: Sequential declares no layer class to wrap "
                                 "(_no_split_modules) and holds no nn.ModuleList of blocks; set it to the class of its "
                                 "repeated block")

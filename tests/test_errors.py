@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, run_xtrain, xtrain_in_process
-from xtrain.distributed import cpu_seams
+from conftest import ZERO_ON_CPU, assert_one_line_error, refusal, run_xtrain, xtrain_in_process
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -87,7 +86,22 @@ def snapshot(root: Path) -> dict[str, str]:
          ["trainer.monitor_direction=maximize: val_ppl is better when lower; use trainer.monitor_direction=minimize"]),
     ],
 )
+def test_bad_input_is_refused_in_one_line_naming_it(tmp_path, overrides, expected):
+    run_dir = tmp_path / "run"
+    line = refusal(f"run_dir={run_dir}", *overrides)
+    assert "\n" not in line
+    for text in expected:
+        assert text in line, line
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["trainer.batch_size=0"], ["trainer.batch_size=0", "must be > 0"]),  # the typed config's
+    (["trainer.bacth_size=8"], ["trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?"]),  # Hydra's
+    (["data=text", "data.files=[/no/such/dir/*.txt]"], ["data.files", "/no/such/dir/*.txt", "matches no file"]),  # preflight's
+])
 def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, expected):
+    """Each kind of check through the CLI: a value, a name, the world outside the config."""
     run_dir = tmp_path / "run"
     proc = xtrain_in_process(f"run_dir={run_dir}", *overrides, check=False)
     assert_one_line_error(proc, *expected)
@@ -154,7 +168,7 @@ def test_a_zero_run_refuses_a_checkpoint_it_cannot_read_in_one_line(short_run, t
     checkpoint = sorted((short_run / "checkpoints").iterdir())[-1]
     before = snapshot(short_run)
     proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "strategy=zero2", f"resume={checkpoint}",
-                             "trainer.max_steps=20", check=False, env={cpu_seams.ZERO_ON_CPU_ENV: "1"})
+                             "trainer.max_steps=20", check=False, env=ZERO_ON_CPU)
     assert_one_line_error(proc, f"resume={checkpoint}", "written with strategy=ddp on 1 process(es) cannot continue "
                           "under strategy=zero2 on 1", "resume with strategy=ddp or strategy=fsdp")
     assert snapshot(short_run) == before and not (tmp_path / "run").exists()

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from chat_models import facts, smollm2_dir, tiny_chat_dir, write_facts
-from conftest import (assert_equal_weights, assert_one_line_error, compose_run, kill_after_checkpoint, logged,
-                      model_weights, read_metrics, read_result, run_xtrain, start_xtrain, train_losses,
-                      xtrain_in_process)
+from conftest import (FSDP_ON_CPU, ZERO_ON_CPU, assert_equal_weights, assert_one_line_error, compose_run,
+                      kill_after_checkpoint, logged, model_weights, read_metrics, read_result, run_xtrain, start_xtrain,
+                      train_losses, xtrain_in_process)
 
 QUESTION = "What is the capital of Zorbia?"
 ANSWER = "Quentar"
@@ -293,14 +293,14 @@ def one_process_lora(tmp_path_factory, tiny) -> tuple[Path, list[str]]:
     return tmp / "run", common
 
 
-@pytest.mark.parametrize("strategy,seam", [("fsdp", "XTRAIN_TEST_FSDP_ON_CPU"), ("zero3", "XTRAIN_TEST_ZERO_ON_CPU")])
+@pytest.mark.parametrize("strategy,seam", [("fsdp", FSDP_ON_CPU), ("zero3", ZERO_ON_CPU)])
 def test_lora_under_sharding_saves_the_whole_adapter_and_resumes_exactly(tmp_path, one_process_lora, strategy, seam):
     """FSDP2 and ZeRO-3 (CPU seams, 2 processes): every adapter tensor has its full shape and equals the
     one-process run's; checkpoints hold no frozen weight; a resume from step 4 ends bitwise where the run did."""
     one, common = one_process_lora
     run_dir = tmp_path / "run"
     args = [f"run_dir={run_dir}", *common, f"strategy={strategy}", "cluster.num_processes=2"]
-    run_xtrain(*args, env={seam: "1"})
+    run_xtrain(*args, env=seam)
     got, expected = adapter(run_dir), adapter(one)
     assert got.keys() == expected.keys()
     for key in expected:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import compose_run, read_metrics, read_result, run_xtrain
-from xtrain.distributed import cpu_seams
+from conftest import (FP16_ON_CPU, compose_run, read_metrics, read_result, run_xtrain)
 from xtrain.engine.optim import lr_factor
 from xtrain.launch import hardware
 
@@ -23,7 +22,7 @@ def test_skipped_steps_do_not_advance_the_schedule(tmp_path):
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", "precision=fp16", "trainer.batch_size=4", "trainer.max_steps=14",
                "trainer.warmup_steps=4", "trainer.log_every=1", "trainer.eval_every=14", "trainer.save_every=14",
-               env={cpu_seams.FP16_ON_CPU_ENV: "1"})
+               env=FP16_ON_CPU)
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["precision"] == "fp16" and result["autocast"] is True
     assert 0 < result["skipped_steps"] < 14  # overflows at the start, then the halved scale fits
@@ -40,7 +39,7 @@ def test_skipped_steps_do_not_advance_the_schedule(tmp_path):
 
 
 def test_fp16_on_cpu_is_a_test_seam_only(monkeypatch):
-    monkeypatch.delenv(cpu_seams.FP16_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv("XTRAIN_SEAMS", raising=False)
     assert "precision=fp16: needs a CUDA GPU" in hardware.refusal(compose_run("precision=fp16"))
-    monkeypatch.setenv(cpu_seams.FP16_ON_CPU_ENV, "1")
+    monkeypatch.setenv("XTRAIN_SEAMS", FP16_ON_CPU["XTRAIN_SEAMS"])
     assert hardware.refusal(compose_run("precision=fp16")) is None

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, compose_run, read_result, run_xtrain, train_losses
+from conftest import (FP8_ON_CPU, REPO, compose_run, read_result, run_xtrain, seams, train_losses)
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import cpu_seams, fp8
+from xtrain.parallel import fp8
 from xtrain.launch import hardware
 from xtrain.tasks.facts import model_facts
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the CPU path; on a GPU test_gpu.py covers fp8 (torchao)")
 
 TORCHAO = Path(sys.prefix) / "fp8-seam"
-SEAM = {cpu_seams.FP8_ON_CPU_ENV: "1", "PYTHONPATH": os.pathsep.join([str(TORCHAO), os.environ.get("PYTHONPATH", "")])}
+SEAM = {**FP8_ON_CPU, "PYTHONPATH": os.pathsep.join([str(TORCHAO), os.environ.get("PYTHONPATH", "")])}
 # MLP weights of 128 x 512: multiples of 16 (converted) and large enough to be built on meta under FSDP2
 LLAMA = ["model=tiny_llama", "model.intermediate_size=512", "precision=fp8", "precision.fp8_backend=torchao",
          "precision.fp8_skip=[k_proj]", "trainer.batch_size=4", "trainer.max_steps=10", "trainer.warmup_steps=2",
@@ -50,9 +50,9 @@ def test_the_layers_in_fp8_are_the_linear_ones_but_the_ends_and_the_skipped():
 
 def test_fp8_on_cpu_is_a_test_seam_only(monkeypatch):
     cfg = compose_run(*LLAMA)
-    monkeypatch.delenv(cpu_seams.FP8_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv("XTRAIN_SEAMS", raising=False)
     assert hardware.refusal(cfg).startswith("precision=fp8: needs a GPU with FP8 units")
-    monkeypatch.setenv(cpu_seams.FP8_ON_CPU_ENV, "1")
+    monkeypatch.setenv("XTRAIN_SEAMS", FP8_ON_CPU["XTRAIN_SEAMS"])
     assert hardware.refusal(cfg) is None or "torchao is not installed" in hardware.refusal(cfg)  # (this process's path)
     te = compose_run("model=tiny_llama", "precision=fp8")  # (Transformer Engine: no seam)
     assert "needs a GPU with FP8 units" in hardware.refusal(te)
@@ -65,7 +65,7 @@ def test_fsdp2_compiled_and_ddp_train_the_chosen_layers_in_fp8(tmp_path):
     eager build's: the meta-build test below, bitwise.)"""
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
     out = run_xtrain(f"run_dir={fsdp}", *LLAMA, "strategy=fsdp", "cluster.num_processes=2", "trainer.compile=true",
-                     env={**SEAM, cpu_seams.FSDP_ON_CPU_ENV: "1"}).stdout
+                     env={**SEAM, **seams("fp8_on_cpu", "fsdp_on_cpu")}).stdout
     assert ("fp8 (torchao, tensorwise): 24 of 29 linear layers; in bf16: model.layers.0.self_attn.k_proj, "
             "model.layers.1.self_attn.k_proj, model.layers.2.self_attn.k_proj and 2 more") in out
     out = run_xtrain(f"run_dir={ddp}", *LLAMA, "trainer.grad_accum=2", "precision.fp8_recipe=rowwise", env=SEAM).stdout
@@ -86,7 +86,7 @@ META_BUILD = """
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from xtrain.config.schema import Fp8Backend, Precision, PrecisionConfig
-from xtrain.distributed import fp8, meta_init
+from xtrain.parallel import fp8, meta_init
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 config = LlamaConfig(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,

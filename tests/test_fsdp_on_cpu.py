@@ -1,7 +1,7 @@
 """FSDP through the real trainer, without a GPU: FSDP2 over gloo on 2 CPU processes.
 
 Users are refused FSDP without CUDA (Accelerate would silently train DDP); the test seam
-`XTRAIN_TEST_FSDP_ON_CPU=1` presents the CPU process group to Accelerate as an accelerator
+`tests/seams/fsdp_on_cpu.py` presents the CPU process group to Accelerate as an accelerator
 group, so the FSDP paths (wrapping, mixed precision, sharded and full checkpoints, resume,
 the gathered final model) run in CI. Only the device, the backend and pinned memory for
 cpu_offload differ from a GPU run.
@@ -19,14 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics, read_result, run_xtrain,
-                      start_xtrain, train_losses, xtrain_in_process)
-from xtrain.distributed import cpu_seams
+from conftest import (FSDP_ON_CPU, SHARDED, assert_one_line_error, compose_run, model_weights, read_metrics,
+                      read_result, run_xtrain, start_xtrain, train_losses, xtrain_in_process)
 from xtrain.launch import hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers FSDP")
 
-FSDP_ON_CPU = {cpu_seams.FSDP_ON_CPU_ENV: "1"}
 FINAL = Path("checkpoints") / "step_00000020"
 
 
@@ -192,9 +190,9 @@ def test_fsdp1_cannot_run_on_a_cpu(tmp_path):
 
 
 def test_fsdp_on_cpu_is_a_test_seam_only(monkeypatch):
-    monkeypatch.delenv(cpu_seams.FSDP_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv("XTRAIN_SEAMS", raising=False)
     assert "FSDP needs CUDA GPUs" in hardware.refusal(compose_run("strategy=fsdp"))
-    monkeypatch.setenv(cpu_seams.FSDP_ON_CPU_ENV, "1")
+    monkeypatch.setenv("XTRAIN_SEAMS", FSDP_ON_CPU["XTRAIN_SEAMS"])
     assert hardware.refusal(compose_run("strategy=fsdp")) is None
     assert "DeepSpeed ZeRO needs CUDA GPUs" in hardware.refusal(compose_run("strategy=zero2"))
     assert "precision=fp16" in hardware.refusal(compose_run("strategy=fsdp", "precision=fp16"))
@@ -243,7 +241,7 @@ def test_the_meta_build_replays_the_eager_builds_weights_bitwise(arch):
     bitwise, and the global generator ends where the eager build leaves it (dropout draws the same masks)."""
     from transformers import AutoModelForCausalLM
 
-    from xtrain.distributed import meta_init
+    from xtrain.parallel import meta_init
     from xtrain.tasks.causal_lm import model as models
 
     cfg = compose_run(f"model=tiny_{arch}", "model.hidden_size=256", "model.intermediate_size=688").model

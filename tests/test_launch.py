@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import FAIL_ON_RANK_1, read_result, run_xtrain, start_xtrain, train_losses
+from conftest import (FAIL_ON_RANK_1, read_result, run_xtrain, seams, start_xtrain, train_losses)
 
 RUN = ["trainer.max_steps=8", "trainer.log_every=2", "trainer.eval_every=4", "trainer.save_every=4",
        "trainer.warmup_steps=2"]
@@ -147,8 +147,6 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_
     its end, instead of waiting on it for ever. The end: all steps, or a stop at a step boundary (SIGUSR1, as
     SLURM's warning signal: a rank of a 2-node job hung so at its requeue, and its other node waited 5 min).
     The wait is 60 s; here 3 s (XTRAIN_TEST_LINGER_S), the same behaviour sooner."""
-    from xtrain.launch.supervisor import LINGER_ENV
-
     linger = 3
     inject = tmp_path / "inject"
     inject.mkdir()
@@ -157,7 +155,7 @@ def test_a_rank_that_hangs_after_the_run_ended_is_stopped_and_the_run_keeps_its_
     began = time.monotonic()
     driver = start_xtrain(f"run_dir={run_dir}", "cluster.num_processes=2", "trainer.batch_size=8", *RUN,
                           env={"PYTHONPATH": f"{inject}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                               LINGER_ENV: str(linger)})
+                               **seams("timings"), "XTRAIN_TEST_LINGER_S": str(linger)})
     try:
         if ending == "stopped":
             while not ((run_dir / "metrics.jsonl").exists() and len(train_losses(run_dir)) >= 1):
@@ -272,12 +270,10 @@ def test_a_rank_imports_neither_deepspeed_nor_datasets_for_accelerates_type_chec
 def test_two_runs_at_once_on_one_machine_do_not_collide_and_spawned_ranks_train_as_forked_ones(tmp_path, started):
     """Each local launch picks a free rendezvous port. The second run's ranks start as on a GPU build of torch, each
     a fresh interpreter (the spawn start method, through its test seam), and train exactly as the forked ones."""
-    from xtrain.launch.agent import SPAWN_ENV
-
     runs = [tmp_path / "a", tmp_path / "b"]
     drivers = [started(f"run_dir={run}", "cluster.num_processes=2", "trainer.batch_size=8", "trainer.max_steps=6",
                        "trainer.log_every=3", "trainer.eval_every=6", "trainer.save_every=6",
-                       env={SPAWN_ENV: "1"} if run.name == "b" else None) for run in runs]
+                       env={**seams("timings"), "XTRAIN_TEST_SPAWN_RANKS": "1"} if run.name == "b" else None) for run in runs]
     for driver in drivers:
         _, err = driver.communicate(timeout=300)
         assert driver.returncode == 0, err

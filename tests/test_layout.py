@@ -14,7 +14,7 @@ PACKAGE = REPO / "xtrain"
 
 # Bottom to top. A module may import its own folder and the folders before it; folders on one line import
 # neither each other nor anything above.
-LAYERS = [("core",), ("config", "conf"), ("data",), ("distributed",), ("tasks",), ("engine",), ("launch",),
+LAYERS = [("core",), ("config", "conf"), ("data",), ("parallel",), ("tasks",), ("engine",), ("launch",),
           ("backends",), ("sweeps",), ("commands", "decorator")]
 ENTRY = {"xtrain.__main__", "xtrain.prepare", "xtrain.status", "xtrain.env", "xtrain.eval", "xtrain.export"}  # `python -m xtrain[.<command>]`
 

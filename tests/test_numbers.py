@@ -539,7 +539,7 @@ def test_qlora_counts_its_4bit_base_at_half_a_byte_a_weight():
 
     from conftest import compose_run
     from xtrain.config.lora import BaseQuantization, LoraConfig
-    from xtrain.distributed import estimate
+    from xtrain.parallel import estimate
     from xtrain.tasks import lora
 
     config = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -480,11 +480,11 @@ def test_mistakes_outside_the_run_config_are_one_line(project, tmp_path):
 
 def test_zero_partitions_your_own_optimizer():
     from conftest import compose_run
-    from xtrain.distributed import plugins
+    from xtrain.parallel import plugins, zero
 
     cfg = compose_run("strategy=zero2", "trainer.optimizer._target_=torch.optim.SGD")
-    assert plugins.deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64))["zero_allow_untested_optimizer"] is True
-    assert "zero_allow_untested_optimizer" not in plugins.deepspeed_config(compose_run("strategy=zero2"),
+    assert zero.deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64))["zero_allow_untested_optimizer"] is True
+    assert "zero_allow_untested_optimizer" not in zero.deepspeed_config(compose_run("strategy=zero2"),
                                                                            plugins.ModelFacts(hidden_size=64))
 
 

@@ -12,7 +12,7 @@ from conftest import assert_one_line_error, compose_run, xtrain_in_process
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.tasks.facts import model_facts
-from xtrain.distributed import estimate, plugins
+from xtrain.parallel import estimate, plugins
 
 GB = 1e9
 
@@ -389,13 +389,13 @@ def test_the_effective_batch_under_tensor_parallelism_counts_data_parallel_ranks
     grad_accum 2 x 2 data-parallel ranks = 16 sequences, wherever it is counted: the plan, the study's step unit (the
     pruner's scale), a sweep's summary of a point not yet started."""
     from xtrain.config import schema
-    from xtrain.distributed import mesh
+    from xtrain.parallel import dims
     from xtrain.sweeps import summary
 
     tp = ["model=tiny_llama", "strategy=fsdp", "strategy.tp=2", "cluster.num_processes=4", "trainer.batch_size=4",
           "trainer.grad_accum=2"]
     cfg = compose_run(*tp)
-    assert mesh.of(cfg).data_parallel == 2 and mesh.effective_batch(cfg) == 16
+    assert dims.of(cfg).data_parallel == 2 and dims.effective_batch(cfg) == 16
     plan = xtrain_in_process(f"run_dir={tmp_path / 'run'}", *tp, "dry_run=true")
     assert "batch        micro 4 x grad_accum 2 x data-parallel 2 = 16 sequences" in plan.stdout
     study = xtrain_in_process("-m", f"run_dir={tmp_path / 'study'}", *tp, "hydra/sweeper=xtrain_optuna",

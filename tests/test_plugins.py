@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 import torch
@@ -11,7 +10,8 @@ import yaml
 
 from conftest import compose_run
 from xtrain.config.schema import ConfigError, Precision, Strategy
-from xtrain.distributed import plugins
+from xtrain.parallel import fsdp, plugins, strategies
+from xtrain.parallel.zero import deepspeed_config
 
 FACTS = plugins.ModelFacts(hidden_size=128, wrap_layer="GPT2Block")
 PRECISIONS = ["fp32", "bf16", "fp16"]
@@ -42,7 +42,7 @@ def test_deepspeed_config_is_complete(strategy, precision):
     cfg = compose_run(f"strategy={strategy}", f"precision={precision}", "trainer.batch_size=4",
                       "trainer.grad_accum=3", "trainer.max_grad_norm=0.5", "cluster.num_processes=8",
                       "cluster.nodes=2")
-    ds = plugins.deepspeed_config(cfg, FACTS)
+    ds = deepspeed_config(cfg, FACTS)
     assert not [key for key, value in walk(ds) if value == "auto"]
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
     assert ds["train_batch_size"] == 4 * 3 * 16
@@ -65,7 +65,7 @@ def test_deepspeed_config_is_complete(strategy, precision):
 def test_offload_sections():
     cfg = compose_run("strategy=zero3", "strategy.offload_optimizer=cpu", "strategy.offload_param=nvme",
                       "strategy.nvme_path=/nvme")
-    zero = plugins.deepspeed_config(cfg, FACTS)["zero_optimization"]
+    zero = deepspeed_config(cfg, FACTS)["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert zero["offload_param"] == {"device": "nvme", "pin_memory": True, "nvme_path": "/nvme"}
 
@@ -130,11 +130,12 @@ def launch_env(config_file: str) -> dict:
 
 
 def export(cfg, tmp_path):
-    ds_path = tmp_path / "deepspeed.json"
-    if plugins.is_zero(cfg.strategy):
-        ds_path.write_text(json.dumps(plugins.deepspeed_config(cfg, FACTS)))
+    files = {}
+    for name, text in strategies.of(cfg).launch_files(cfg, FACTS).items():
+        (tmp_path / name).write_text(text)
+        files[name] = str(tmp_path / name)
     config_file = tmp_path / "accelerate_config.yaml"
-    config_file.write_text(yaml.safe_dump(plugins.accelerate_config(cfg, FACTS, str(ds_path))))
+    config_file.write_text(yaml.safe_dump(plugins.accelerate_config(cfg, FACTS, files)))
     return str(config_file)
 
 
@@ -162,7 +163,7 @@ def test_exported_files_reproduce_the_plugin_through_accelerate_launch(monkeypat
         monkeypatch.setenv(key, value)
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 
-    if plugins.is_zero(cfg.strategy):
+    if cfg.strategy.name.value in ZERO:
         # precision lives in deepspeed.json (Accelerate refuses it in both files): the launcher passes "no" and
         # the worker's AcceleratorState applies it to the plugin, as ours applies cfg's precision
         assert env["ACCELERATE_MIXED_PRECISION"] == "no"
@@ -207,7 +208,7 @@ def test_user_deepspeed_json_is_merged_and_conflicts_are_errors(tmp_path):
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 123, "overlap_comm": False},
         "activation_checkpointing": {"partition_activations": True},
     }
-    merged = plugins.deepspeed_config(cfg, FACTS, user)
+    merged = deepspeed_config(cfg, FACTS, user)
     assert merged["train_micro_batch_size_per_gpu"] == 8 and merged["bf16"]["enabled"] is True
     assert merged["zero_optimization"]["reduce_bucket_size"] == 123  # the user's tuning wins
     assert merged["zero_optimization"]["overlap_comm"] is False
@@ -221,7 +222,7 @@ def test_user_deepspeed_json_is_merged_and_conflicts_are_errors(tmp_path):
          'zero_optimization.offload_optimizer.device="cpu" but strategy.offload_optimizer gives "none"'),
     ]:
         with pytest.raises(ConfigError, match=f"strategy.deepspeed_config=x.json: sets {message}".replace(".", r"\.")):
-            plugins.deepspeed_config(cfg, FACTS, conflict)
+            deepspeed_config(cfg, FACTS, conflict)
 
 
 @pytest.mark.parametrize("backend,recipe", [("te", "TERecipeKwargs"), ("torchao", "AORecipeKwargs"),
@@ -229,7 +230,7 @@ def test_user_deepspeed_json_is_merged_and_conflicts_are_errors(tmp_path):
 def test_fp8_recipe_sets_every_field_of_accelerates_recipe(backend, recipe, monkeypatch):
     import accelerate.utils
 
-    from xtrain.distributed import fp8
+    from xtrain.parallel import fp8
 
     monkeypatch.setattr(fp8, "config", lambda precision, fsdp: "torchao's config")  # (torchao: test_fp8_on_cpu.py)
     cfg = compose_run("precision=fp8", f"precision.fp8_backend={backend}")
@@ -244,12 +245,12 @@ def test_fsdp_wrap_layer_is_detected_and_checked():
 
     gpt2 = models.on_meta(compose_run().model, 128)
     llama = models.on_meta(compose_run("model=tiny_llama").model, 128)
-    assert plugins.fsdp_wrap_layer(None, gpt2) == "GPT2Block"
-    assert plugins.fsdp_wrap_layer(None, llama) == "LlamaDecoderLayer"
-    assert plugins.fsdp_wrap_layer("GPT2MLP", gpt2) == "GPT2MLP"
+    assert fsdp.wrap_layer(None, gpt2) == "GPT2Block"
+    assert fsdp.wrap_layer(None, llama) == "LlamaDecoderLayer"
+    assert fsdp.wrap_layer("GPT2MLP", gpt2) == "GPT2MLP"
     with pytest.raises(ConfigError, match="strategy.wrap_layer=LlamaDecoderLayer: no such layer in GPT2LMHeadModel; "
                                           "choose one of GPT2Block"):
-        plugins.fsdp_wrap_layer("LlamaDecoderLayer", gpt2)
+        fsdp.wrap_layer("LlamaDecoderLayer", gpt2)
 
 
 @pytest.mark.parametrize("overrides,message", [

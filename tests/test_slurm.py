@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (FAIL_ON_RANK_1, PACED, SHARDED, assert_one_line_error, read_metrics, read_result, run_xtrain,
-                      start_xtrain, train_losses, xtrain_in_process)
+from conftest import (FAIL_ON_RANK_1, FSDP_ON_CPU, PACED, SHARDED, assert_one_line_error, read_metrics, read_result,
+                      run_xtrain, start_xtrain, train_losses, xtrain_in_process)
 from corpus import documents, write
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -311,7 +311,7 @@ def test_hsdp_replicates_across_two_nodes_and_shards_within_each(tmp_path, ddp_t
     run_dir = tmp_path / "run"
     hsdp = [o for o in SHARDED if not o.startswith(("cluster.num_processes", "trainer.batch_size"))]
     run_xtrain(f"run_dir={run_dir}", *ALL_CPUS, "cluster.nodes=2", "cluster.num_processes=2", "strategy=fsdp",
-               "strategy.dp_replicate=auto", "trainer.batch_size=2", *hsdp, env={"XTRAIN_TEST_FSDP_ON_CPU": "1"})
+               "strategy.dp_replicate=auto", "trainer.batch_size=2", *hsdp, env=FSDP_ON_CPU)
     result = read_result(run_dir)
     assert result["status"] == "completed" and result["hosts"] == ["n1", "n1", "n2", "n2"]
     assert result["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import SHORT, compose_run, read_metrics, read_result, run_xtrain
+from conftest import (SHORT, compose_run, read_metrics, read_result, run_xtrain, seams)
 
 
 def test_mfu_is_the_models_flops_at_the_steady_rate_over_the_peak_and_the_vocabulary_is_the_asked_one(tmp_path,
@@ -15,10 +15,9 @@ def test_mfu_is_the_models_flops_at_the_steady_rate_over_the_peak_and_the_vocabu
     """A 16384-token vocabulary asked of a corpus that fills fewer: the model keeps 16384 and the log says how many
     the corpus filled. With a dense peak for the CPU (the test seam), MFU is 6N + 12·L·d·T per token at the
     steady rate over it, in result.json and in every train row."""
-    from xtrain.engine import speed
 
     run_dir = tmp_path / "run"
-    proc = run_xtrain(f"run_dir={run_dir}", "model.vocab_size=16384", *SHORT, env={speed.PEAK_ENV: "0.05"})
+    proc = run_xtrain(f"run_dir={run_dir}", "model.vocab_size=16384", *SHORT, env={**seams("timings"), "XTRAIN_TEST_PEAK_TFLOPS": "0.05"})
     out = proc.stdout + proc.stderr
     filled = [line for line in out.splitlines() if "the corpus filled" in line]
     assert len(filled) == 1 and "of the tokenizer's model.vocab_size=16384 tokens; the model keeps 16384" in filled[0]
@@ -28,7 +27,7 @@ def test_mfu_is_the_models_flops_at_the_steady_rate_over_the_peak_and_the_vocabu
     n, layers, width, block = result["model_parameters"], model["num_layers"], model["hidden_size"], 128
     assert n - read_result(short_run)["model_parameters"] == (16384 - 2048) * width  # (the same run at 2048)
     assert result["flops_per_token"] == 6 * n + 12 * layers * width * block
-    assert result["mfu_peak"] == {"device": "cpu", "precision": "fp32", "tflops": 0.05, "source": speed.PEAK_ENV,
+    assert result["mfu_peak"] == {"device": "cpu", "precision": "fp32", "tflops": 0.05, "source": "seam",
                                   "gpus": 1}
     assert result["mfu"] == pytest.approx(result["flops_per_token"] * result["tokens_per_s"] / 0.05e12, abs=1e-4)
     rows = [r for r in read_metrics(run_dir) if "train/loss" in r]

@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 through the real trainer, without a GPU: DeepSpeed's own CPU accelerator over gloo.
 
 Users are refused ZeRO without CUDA (Accelerate does not support it); the test seam
-`XTRAIN_TEST_ZERO_ON_CPU=1` lifts that refusal so the DeepSpeed paths (engine, sharded
+`tests/seams/zero_on_cpu.py` lifts that refusal so the DeepSpeed paths (engine, sharded
 checkpoints, resume, the gathered final model) run in CI. Only the device and the process
 group backend differ from a GPU run.
 """
@@ -16,14 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SHARDED as RUN, assert_one_line_error, compose_run, read_metrics, read_result, run_xtrain, train_losses, xtrain_in_process
+from conftest import (SHARDED as RUN, ZERO_ON_CPU, assert_one_line_error, compose_run, read_metrics, read_result,
+                      run_xtrain, train_losses, xtrain_in_process)
 from xtrain.core import machine
-from xtrain.distributed import cpu_seams, plugins
+from xtrain.parallel import plugins
+from xtrain.parallel.zero import deepspeed_config
 from xtrain.launch import hardware
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path; on a GPU test_gpu.py covers ZeRO")
 
-ZERO_ON_CPU = {cpu_seams.ZERO_ON_CPU_ENV: "1"}
 # RUN has gradient accumulation: DeepSpeed accumulates itself, in step with Accelerate's
 # zero.Init draws ZeRO-3's initial weights in another order (same distributions, other values)
 # ZeRO-3 gathers and reduce-scatters in a different order than DDP: measured up to 1.3% apart by step 7
@@ -193,9 +194,9 @@ def test_zero3_bf16_with_parameter_and_optimizer_offload(tmp_path, ddp):
 
 
 def test_zero_on_cpu_is_a_test_seam_only(monkeypatch):
-    monkeypatch.delenv(cpu_seams.ZERO_ON_CPU_ENV, raising=False)
+    monkeypatch.delenv("XTRAIN_SEAMS", raising=False)
     assert "needs CUDA GPUs" in hardware.refusal(compose_run("strategy=zero2"))
-    monkeypatch.setenv(cpu_seams.ZERO_ON_CPU_ENV, "1")
+    monkeypatch.setenv("XTRAIN_SEAMS", ZERO_ON_CPU["XTRAIN_SEAMS"])
     assert hardware.refusal(compose_run("strategy=zero2")) is None
     assert "FSDP needs CUDA GPUs" in hardware.refusal(compose_run("strategy=fsdp"))
     assert "precision=fp16" in hardware.refusal(compose_run("strategy=zero2", "precision=fp16"))
@@ -243,7 +244,7 @@ def test_deepspeed_reads_every_config_xtrain_writes(strategy, monkeypatch):
                           *(["strategy.nvme_path=/local/nvme"] if "nvme" in (optimizer, param) else []),
                           "cluster.num_processes=1", "trainer.batch_size=4",
                           "trainer.grad_accum=2")
-        parsed = DeepSpeedConfig(plugins.deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64)))
+        parsed = DeepSpeedConfig(deepspeed_config(cfg, plugins.ModelFacts(hidden_size=64)))
         case = f"{strategy} {precision} offload {optimizer}/{param}"
         assert parsed.zero_optimization_stage == int(strategy[-1]), case
         assert (parsed.train_batch_size, parsed.gradient_accumulation_steps) == (8, 2), case

@@ -5,5 +5,5 @@ Each backend module provides the functions of the `Backend` protocol (base.py): 
 
 registry.py picks a backend for a config. A sweep (sweeps/sweep.py) drives `run_points`.
 
-May import: core, config, data, distributed, tasks, engine, launch.
+May import: core, config, data, parallel, tasks, engine, launch.
 """

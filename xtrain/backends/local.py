@@ -21,7 +21,8 @@ from typing import Callable
 
 from xtrain.config import schema
 from xtrain.config.point import Point
-from xtrain.config.schema import RunConfig, Strategy
+from xtrain.config.schema import RunConfig
+from xtrain.parallel import strategies
 from xtrain.core import machine, rundir, runlock, stopping
 from xtrain.core.errors import ConfigError, Stopped, one_line
 from xtrain.launch import hardware, plan, preflight, supervisor
@@ -88,7 +89,7 @@ def _run_here(cfg: RunConfig, path: Path, data_ready: bool) -> dict:
         prepare_data(cfg)
     # In-process (no spawn cost) only for DDP: Accelerate sets up FSDP and DeepSpeed only under a
     # launcher's environment; in-process it would silently drop FSDP, and DeepSpeed would look for MPI.
-    if cfg.cluster.world_size == 1 and cfg.strategy.name is Strategy.ddp:
+    if strategies.of(cfg).trains_in_process(cfg.cluster.world_size):
         from xtrain.engine.loop import train
 
         with stopping.on(stopping.GRACEFUL):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from xtrain.backends.base import Backend
 from xtrain.config.cluster import ClusterKind
 from xtrain.config.schema import RunConfig
-from xtrain.distributed import mesh
+from xtrain.parallel import dims
 from xtrain.engine import checkpoint
 from xtrain.launch import hardware
 
@@ -15,7 +15,7 @@ def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
     `num_processes` (one per GPU of a node; of a `parallel`th of this machine's GPUs for a sweep's points
     run that many at a time), `trainer.fused_optimizer`, `strategy.dp_replicate` (one replica per node); a resume
     on another number of processes: the `trainer.grad_accum` that keeps the checkpoint's effective batch."""
-    cfg = mesh.resolve(hardware.resolve_fused(hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg),
+    cfg = dims.resolve(hardware.resolve_fused(hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg),
                                                                          parallel)))
     return checkpoint.keep_effective_batch(cfg)
 

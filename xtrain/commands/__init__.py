@@ -2,5 +2,5 @@
 help.py (`--help`), prepare.py (`python -m xtrain.prepare`), status.py (`python -m xtrain.status`) and env.py
 (`python -m xtrain.env`). The three `python -m xtrain.<command>` modules at the package root only call these.
 
-May import: core, config, data, distributed, tasks, engine, launch, backends, sweeps.
+May import: core, config, data, parallel, tasks, engine, launch, backends, sweeps.
 """

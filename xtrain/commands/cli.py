@@ -191,15 +191,20 @@ def arguments(argv: list[str]) -> list[str]:
 
 
 def _report_refusal(err: Exception) -> None:
+    fail(refusal_line(err))
+
+
+def refusal_line(err: Exception) -> str:
+    """The one line a refusal is told in (after `xtrain: error: `)."""
     import yaml
 
     if isinstance(err, ConfigError):
-        fail(str(err))
+        return str(err)
     if isinstance(err, yaml.YAMLError):
-        fail(yaml_error(err))
+        return yaml_error(err)
     if isinstance(err, MissingConfigException):
-        fail(unknown_option(str(err)))
-    fail(explain(err, schema.setting_names()))
+        return unknown_option(str(err))
+    return explain(err, schema.setting_names())
 
 
 def yaml_error(err) -> str:

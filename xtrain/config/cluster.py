@@ -8,10 +8,11 @@ are files others may read; a secret belongs in the environment, which sbatch pas
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Dict, List, Optional
 
+from xtrain.config.fields import all_free, not_read_by, setting
 from xtrain.core.errors import ConfigError, changed_settings, non_negative, positive
 
 
@@ -22,10 +23,6 @@ class ClusterKind(Enum):
 
 SCRIPT_STRINGS = ("job_name", "partition", "account", "qos", "constraint", "exclude", "time_limit",
                   "container_image", "container_mounts", "container_python")
-# what a SLURM job asks for and how it is followed: one given (not its default) to a local run is refused
-SLURM_ONLY = ("gpus_per_node", "cpus_per_task", "mem_gb", "time_limit", "partition", "account", "qos", "constraint",
-              "exclude", "job_name", "sbatch_args", "setup", "srun_args", "container_image", "container_mounts",
-              "container_python", "wait", "signal_lead_s", "max_requeues")
 SHELL_STRINGS = ("setup", "srun_args", "sbatch_args")  # also never sent to a tracker (tracking.hyperparameters)
 _SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD")
 _ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*)\s*=")
@@ -37,6 +34,7 @@ def looks_like_secret(name: str) -> bool:
     return any(part.endswith(_SECRET_WORDS) for part in name.upper().split("_"))
 
 
+@all_free  # (where it runs: the effective batch is kept)
 @dataclass
 class ClusterConfig:
     kind: ClusterKind = ClusterKind.local
@@ -63,47 +61,47 @@ class ClusterConfig:
     """A run whose planned memory does not fit (this machine's, or the job's nodes') is refused before it starts;
     false: warned about, and started anyway (the plan's estimate is a lower bound)."""
     # cluster=slurm: one job, one task per node, each running that node's workers (xtrain/backends/slurm/)
-    gpus_per_node: str = "auto"
+    gpus_per_node: str = setting("auto", only=("slurm",))
     """GPUs to request on each node: `auto` (every GPU of a node of the partition; none on a CPU partition) or a
     number (0 on a GPU partition: train on the nodes' CPUs). num_processes=auto starts one process per GPU."""
-    cpus_per_task: str = "all"
+    cpus_per_task: str = setting("all", only=("slurm",))
     """CPUs for each node's task (all of that node's workers): `all` (every CPU of a node of the partition, the
     fewest where nodes differ) or a number. Both sbatch and srun get it as --cpus-per-task."""
-    mem_gb: Optional[float] = None
+    mem_gb: Optional[float] = setting(None, only=("slurm",))
     """Memory per node; default: the partition's. A job on CPUs (no GPU asked) is planned against it."""
-    time_limit: str = "01:00:00"
+    time_limit: str = setting("01:00:00", only=("slurm",))
     """SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    partition: Optional[str] = None
+    partition: Optional[str] = setting(None, only=("slurm",))
     """SLURM: the partition (default: the cluster's default partition)."""
-    account: Optional[str] = None
+    account: Optional[str] = setting(None, only=("slurm",))
     """SLURM: `--account`."""
-    qos: Optional[str] = None
+    qos: Optional[str] = setting(None, only=("slurm",))
     """SLURM: `--qos`."""
-    constraint: Optional[str] = None
+    constraint: Optional[str] = setting(None, only=("slurm",))
     """SLURM: `--constraint` (node features)."""
-    exclude: Optional[str] = None
+    exclude: Optional[str] = setting(None, only=("slurm",))
     """Nodes not to run on, e.g. `n[3-4]`."""
-    job_name: str = "xtrain"
+    job_name: str = setting("xtrain", only=("slurm",))
     """SLURM: the job's name in squeue."""
-    sbatch_args: Dict[str, str] = field(default_factory=dict)
+    sbatch_args: Dict[str, str] = setting(factory=dict, only=("slurm",))
     """More `#SBATCH --key=value` lines, e.g. {mail-type: END}."""
-    setup: List[str] = field(default_factory=list)
+    setup: List[str] = setting(factory=list, only=("slurm",))
     """Shell lines run before the job's srun (module loads, environment activation)."""
-    srun_args: List[str] = field(default_factory=list)
+    srun_args: List[str] = setting(factory=list, only=("slurm",))
     """SLURM: more arguments for the `srun` line that starts each node's task."""
-    container_image: Optional[str] = None
+    container_image: Optional[str] = setting(None, only=("slurm",))
     """Run every node's task in this image (pyxis: srun --container-image); xtrain must be installed in it."""
-    container_mounts: Optional[str] = None
+    container_mounts: Optional[str] = setting(None, only=("slurm",))
     """pyxis --container-mounts, e.g. /data:/data,/scratch:/scratch (the run dir must be visible inside)."""
-    container_python: Optional[str] = None
+    container_python: Optional[str] = setting(None, only=("slurm",))
     """The interpreter that runs each node's task; default: `python3` in a container image, else this one."""
-    wait: bool = True
+    wait: bool = setting(True, only=("slurm",))
     """Follow the submitted job to its end (states, rank 0's log); false: return after submitting."""
-    signal_lead_s: int = 120
+    signal_lead_s: int = setting(120, only=("slurm",))
     """SLURM warns the job this long before its time limit (and on preemption, where the cluster sends
     it): every rank finishes its step, a checkpoint is written, the job requeues itself. Leave time for
     a step and a checkpoint."""
-    max_requeues: int = 10
+    max_requeues: int = setting(10, only=("slurm",))
     """Restarts a job may have; a stop signal after that many ends the run `interrupted`, with its
     checkpoint, for `resume=auto` by hand."""
 
@@ -129,7 +127,7 @@ class ClusterConfig:
         if self.min_nodes is not None and self.kind is not ClusterKind.slurm:
             raise ConfigError(f"cluster.min_nodes={self.min_nodes}: a SLURM setting (a node range for the job); "
                               "use it with cluster=slurm")
-        for asked in changed_settings(self, "cluster", SLURM_ONLY) if self.kind is ClusterKind.local else ():
+        for asked in changed_settings(self, "cluster", not_read_by(self, self.kind.value)):
             raise ConfigError(f"{asked}: a setting of a SLURM job, and this run trains on this machine "
                               "(cluster=local); add cluster=slurm to submit it, or drop it")
         if not 0 <= self.node_rank < self.nodes:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import List, Optional
 
+from xtrain.config.fields import not_read_by, readers, setting
 from xtrain.core.errors import ConfigError, changed_settings, positive
 
 
@@ -31,16 +32,15 @@ class TrainOn(Enum):
 
 
 
-SFT_ONLY = ("format", "train_on", "packing", "chat_template")  # how instruction and chat examples are read
 
 
 @dataclass
 class DataConfig:
     source: DataSource = DataSource.pydoc
     """Where the data comes from; each option of the `data` group sets it."""
-    files: List[str] = field(default_factory=list)
+    files: List[str] = setting(factory=list, only=("text", "sft", "images"))
     """For `source=text`: files, directories or globs (formats: xtrain/data/sources.py)."""
-    name: Optional[str] = None
+    name: Optional[str] = setting(None, only=("hf", "sft"))
     """For `source=hf`: a datasets hub name or a directory written by `save_to_disk`."""
     config_name: Optional[str] = None
     """For `source=hf`: the hub dataset's configuration, if it has several."""
@@ -54,19 +54,19 @@ class DataConfig:
     """Share of the blocks held out for evaluation, up to `max_val_tokens`."""
     max_val_tokens: int = 16384
     """Validation blocks hold at most this many tokens (at least one block): an eval's cost is bounded."""
-    num_proc: Optional[int] = None
+    num_proc: Optional[int] = setting(None, free=True)
     """Processes that tokenize while preparing (default: every core of the machine that prepares)."""
-    cache_dir: str = "~/.cache/xtrain"
+    cache_dir: str = setting("~/.cache/xtrain", free=True)
     """Tokenizers and prepared tokens are cached here (env XTRAIN_CACHE_DIR overrides)."""
     # sft only -----------------------------------------------------------------------------
-    format: ExampleFormat = ExampleFormat.auto
+    format: ExampleFormat = setting(ExampleFormat.auto, only=("sft",))
     """The examples' shape: `messages`, `prompt_completion`, `alpaca`, or `auto` (from the columns)."""
-    train_on: TrainOn = TrainOn.answers
+    train_on: TrainOn = setting(TrainOn.answers, only=("sft",))
     """Which tokens the loss covers: `answers` (assistant turns, the completion) or `all`."""
-    packing: bool = True
+    packing: bool = setting(True, only=("sft",))
     """Several examples per block of `block_size`, each attending only to itself (position ids restart);
     false: one example per sequence, padded to the longest in the batch."""
-    chat_template: Optional[str] = None
+    chat_template: Optional[str] = setting(None, only=("sft",))
     """A Jinja chat template (or a file holding one) for a tokenizer that has none, or to replace its own."""
     test: List[str] = field(default_factory=list)
     """`task=seq_cls` and `image_cls`: test files (as `files`), every record a test example, its labels mapped as the
@@ -77,12 +77,10 @@ class DataConfig:
         """A setting of another source's, which this one would not read (`data.files` with data=pydoc: it trained on
         pydoc), is refused."""
         source = self.source
-        unread = [*(["files"] if source in (DataSource.pydoc, DataSource.hf) else []),
-                  *(["name"] if source in (DataSource.pydoc, DataSource.text, DataSource.images) else []),
-                  *(["config_name", "split"] if not self.name else []), *(SFT_ONLY if source is not DataSource.sft else [])]
+        unread = [*not_read_by(self, source.value), *(["config_name", "split"] if not self.name else [])]
         for asked in changed_settings(self, "data", unread):
             key = asked.partition("=")[0].removeprefix("data.")
-            use = ("data=sft" if key in SFT_ONLY else "data=text (or data=sft, data=images)" if key == "files"
+            use = ("data=sft" if readers(self, key) == ("sft",) else "data=text (or data=sft, data=images)" if key == "files"
                    else "data=hf (or data=sft)" if key == "name" else "data.name (with data=hf or data=sft)")
             raise ConfigError(f"{asked}: not read by data={source.value}; use {use}, or drop it")
 

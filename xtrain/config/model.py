@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+from xtrain.config.fields import not_read_by, setting
 from xtrain.config.lora import LoraConfig
 from xtrain.core.errors import ConfigError, changed_settings, positive
 
@@ -21,32 +22,29 @@ class ModelArch(Enum):
     llama = "llama"
 
 
-# the shape of a model built from config: one given to a pretrained model (its own config decides) is refused
-BUILT_ONLY = ("arch", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
-              "dropout")
 
 
 @dataclass
 class ModelConfig:
     source: ModelSource = ModelSource.config
     """`config`: build `arch` with the sizes below, random init; `pretrained`: load `name_or_path`."""
-    arch: ModelArch = ModelArch.gpt2
+    arch: ModelArch = setting(ModelArch.gpt2, only=("config",))
     """Architecture for `source=config`: transformers' GPT-2 (its tanh GELU in torch's one-kernel form) or Llama."""
     name_or_path: Optional[str] = None
     """For `source=pretrained`: a hub id or a local directory holding the model and its tokenizer."""
-    hidden_size: int = 128
+    hidden_size: int = setting(128, only=("config",))
     """Width of the built-in model (`source=config`)."""
-    num_layers: int = 4
+    num_layers: int = setting(4, only=("config",))
     """Transformer blocks of the built-in model."""
-    num_heads: int = 4
+    num_heads: int = setting(4, only=("config",))
     """Attention heads of the built-in model (hidden_size must divide by it)."""
-    num_kv_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = setting(None, only=("config",))
     """Llama only: key/value heads for grouped-query attention (default: num_heads)."""
-    intermediate_size: int = 512
+    intermediate_size: int = setting(512, only=("config",))
     """Width of the built-in model's MLP."""
-    vocab_size: int = 2048
+    vocab_size: int = setting(2048, only=("config",))
     """Size of the byte-level BPE tokenizer trained on the corpus (built-in models only)."""
-    dropout: float = 0.0
+    dropout: float = setting(0.0, only=("config",))
     """Dropout of the built-in model (attention, residual and embedding)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
 
@@ -64,7 +62,7 @@ class ModelConfig:
             )
         if self.source is ModelSource.pretrained and not self.name_or_path:
             raise ConfigError("model.name_or_path is empty: model=hf needs a hub id or a local model directory")
-        for asked in changed_settings(self, "model", BUILT_ONLY) if self.source is ModelSource.pretrained else ():
+        for asked in changed_settings(self, "model", not_read_by(self, self.source.value)):
             raise ConfigError(f"{asked}: a setting of a model built from config, and model=hf loads "
                               f"{self.name_or_path} with its own; drop it")
         if self.num_kv_heads is not None and self.arch is not ModelArch.llama:

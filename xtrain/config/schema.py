@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from xtrain.config.fields import setting
 from xtrain.config.cluster import ClusterConfig
 from xtrain.config.data import DataConfig, DataSource, ExampleFormat, TrainOn  # noqa: F401 (re-exported)
 from xtrain.config.lora import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
@@ -36,15 +37,15 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
-    run_dir: str = "runs/default"
+    run_dir: str = setting("runs/default", free=True)
     """Where this run's files go; also Hydra's output dir."""
-    resume: str = "none"
+    resume: str = setting("none", free=True)
     """`none`, `auto` (newest checkpoint in run_dir, fresh start if none) or a checkpoint path."""
-    resume_changes: str = "refuse"
+    resume_changes: str = setting("refuse", free=True)
     """A resume with settings that change what trains: `refuse` (one line lists them) or `apply` (the learning
     rate, its schedule, max_steps, weight decay and clipping take effect from the resumed step, recorded in
     result.json). Log, eval and save intervals, trackers, timeouts and the SLURM request may always change."""
-    dry_run: bool = False
+    dry_run: bool = setting(False, free=True)
     """Print the plan (topology, batches, plugin settings, memory per device) and exit."""
 
     def __post_init__(self) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
+from xtrain.config.fields import all_free, not_read_by, setting
 from xtrain.core.errors import ConfigError, changed_settings
 
 
@@ -35,11 +36,7 @@ class StateDictType(Enum):
     sharded = "sharded"
 
 
-# settings of FSDP's alone: one given (not its default) with another strategy is refused
-FSDP_ONLY = ("fsdp_version", "sharding", "cpu_offload", "wrap_layer", "activation_checkpointing", "state_dict_type",
-             "reshard_after_forward", "cpu_ram_efficient_loading")
-
-
+@all_free  # (where it runs: reshard.py moves the checkpoint; the effective batch is kept)
 @dataclass
 class StrategyConfig:
     name: Strategy = Strategy.ddp
@@ -54,21 +51,21 @@ class StrategyConfig:
     deepspeed_config: Optional[str] = None
     """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
     # FSDP --------------------------------------------------------------------------------
-    fsdp_version: int = 2
+    fsdp_version: int = setting(2, only=("fsdp",))
     """FSDP's implementation: 2 (`fully_shard`, the default) or 1 (FSDP1)."""
-    sharding: FsdpSharding = FsdpSharding.full_shard
+    sharding: FsdpSharding = setting(FsdpSharding.full_shard, only=("fsdp",))
     """FSDP1's sharding strategy (FSDP2 shards fully; see `reshard_after_forward`)."""
-    cpu_offload: bool = False
+    cpu_offload: bool = setting(False, only=("fsdp",))
     """Parameters (and their gradients, optimizer states) on the CPU between uses."""
-    wrap_layer: Optional[str] = None
+    wrap_layer: Optional[str] = setting(None, only=("fsdp",))
     """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = setting(False, only=("fsdp",))
     """Recompute each wrapped block's activations in backward instead of keeping them."""
-    state_dict_type: StateDictType = StateDictType.sharded
+    state_dict_type: StateDictType = setting(StateDictType.sharded, only=("fsdp",))
     """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = setting(True, only=("fsdp",))
     """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
-    cpu_ram_efficient_loading: bool = True
+    cpu_ram_efficient_loading: bool = setting(True, only=("fsdp",))
     """Pretrained weights are loaded on rank 0 only and broadcast."""
     # The device mesh (FSDP2): dp_replicate x dp_shard x tp, dp_shard being what the world leaves -----------------
     dp_replicate: Any = 1
@@ -96,9 +93,8 @@ class StrategyConfig:
             raise ConfigError(f"strategy.offload_param={self.offload_param.value}: needs strategy=zero3")
         if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
-        if self.name is not Strategy.fsdp:
-            for asked in changed_settings(self, "strategy", FSDP_ONLY):
-                raise ConfigError(f"{asked}: only for strategy=fsdp")
+        for asked in changed_settings(self, "strategy", not_read_by(self, self.name.value)):
+            raise ConfigError(f"{asked}: only for strategy=fsdp")
         if self.nvme_path and Offload.nvme not in (self.offload_optimizer, self.offload_param):
             raise ConfigError(f"strategy.nvme_path={self.nvme_path}: only for nvme offload (strategy.offload_optimizer="
                               "nvme or strategy.offload_param=nvme)")

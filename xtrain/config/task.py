@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Dict, List, Optional
 
+from xtrain.config.fields import setting
 from xtrain.config.lora import LoraConfig
 from xtrain.core.errors import ConfigError
 
@@ -79,7 +80,7 @@ class TaskConfig:
     loss: Dict[str, Any] = field(default_factory=unset)
     """`task=custom`: `task.loss._target_=...` (its arguments: `+task.loss.NAME=VALUE`), a loss module or function
     of (outputs, targets), per example or per position (torch's get reduction='none'); unset: cross-entropy."""
-    code_dir: Optional[str] = None
+    code_dir: Optional[str] = setting(None, free=True)
     """Where the `_target_`s' modules (a model, datasets, a loss, metrics, callbacks, an optimizer, a schedule) are
     imported from on every rank and node (default: the directory the command runs from, recorded in run.yaml where
     the run names any)."""

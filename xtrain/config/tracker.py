@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from xtrain.config.fields import all_free
 from xtrain.core.errors import ConfigError, changed_settings
 
 
@@ -14,6 +15,7 @@ class TrackerKind(Enum):
     wandb = "wandb"
 
 
+@all_free  # (how it is watched)
 @dataclass
 class TrackerConfig:
     kind: TrackerKind = TrackerKind.none

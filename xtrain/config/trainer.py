@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from xtrain.config.fields import setting
 from xtrain.config.task import Direction, Export, check_target_node, given, unset
 from xtrain.core.errors import ConfigError, non_negative, positive
 
@@ -31,13 +32,13 @@ class TrainerConfig:
     """AdamW's decoupled weight decay (not on biases and norms)."""
     max_grad_norm: float = 1.0
     """0 disables clipping."""
-    eval_every: int = 100
+    eval_every: int = setting(100, free=True)
     """Evaluate every this many optimizer steps (and at step 0 and the end)."""
-    save_every: int = 100
+    save_every: int = setting(100, free=True)
     """Write a checkpoint every this many optimizer steps (and at the end)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = setting(2, free=True)
     """Checkpoints kept in the run dir: the newest this many."""
-    log_every: int = 10
+    log_every: int = setting(10, free=True)
     """Log a train row (metrics.jsonl, trackers, a log line) every this many optimizer steps."""
     seed: int = 0
     """Seeds the model's init, the data order and every rank's RNGs."""
@@ -46,10 +47,10 @@ class TrainerConfig:
     rounding: `auto` (run.yaml records what it became) fuses where the run trains on GPUs with DDP or FSDP (not
     under ZeRO, whose engine steps the optimizer, nor on CPUs, where it does not pay); `true` or `false` to choose.
     Not with a `trainer.optimizer` of your own, nor under ZeRO-Offload, which steps with DeepSpeedCPUAdam."""
-    sample_prompts: List[str] = field(default_factory=list)
+    sample_prompts: List[str] = setting(factory=list, free=True)
     """Prompts answered greedily at each eval (user turns, rendered with the chat template where the tokenizer
     has one): logged, written to metrics.jsonl (`sample/<i>`) and sent to the trackers."""
-    sample_max_tokens: int = 48
+    sample_max_tokens: int = setting(48, free=True)
     """New tokens per answer to `sample_prompts` (greedy)."""
     compile: bool = False
     """torch.compile (inductor) per transformer block, in place: faster steps on GPUs after a compile at the
@@ -58,22 +59,22 @@ class TrainerConfig:
     """With `trainer.compile`: inductor times launch configurations of each GPU (Triton) kernel it generates and keeps
     the fastest (coordinate-descent and pointwise tuning; matmuls stay cuBLAS's). Longer compiles, for fp8's scaling
     kernels faster steps (see the speed guide). GPUs only: a CPU's compiled kernels are C++."""
-    monitor: str = "val_loss"
+    monitor: str = setting("val_loss", free=True)
     """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
     `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
     sweep's points."""
-    monitor_direction: Direction = Direction.auto
+    monitor_direction: Direction = setting(Direction.auto, free=True)
     """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics, torchmetrics'
     `higher_is_better` and a `task.metrics` entry's `direction` (a function metric without one needs `maximize` or
     `minimize` here)."""
-    export: Export = Export.last
+    export: Export = setting(Export.last, free=True)
     """What `model/` holds: the `last` model, or the `best` one by `monitor` (exported at each eval that improves
     it; result.json's `model_step` says which, `model_eval` what it scored). Sweeps and studies rank a run by what
     the model it kept scored."""
-    early_stop_patience: int = 0
+    early_stop_patience: int = setting(0, free=True)
     """Stop when this many evals in a row have not improved `monitor` (by more than `early_stop_min_delta`): at that
     step boundary, with its checkpoint and `model/`; the run is `completed` and `early_stop` records why. 0: never."""
-    early_stop_min_delta: float = 0.0
+    early_stop_min_delta: float = setting(0.0, free=True)
     """How much `monitor` must improve on its best for an eval to count as an improvement."""
     optimizer: Dict[str, Any] = field(default_factory=unset)
     """An optimizer of your own: `trainer.optimizer._target_=torch.optim.SGD` (its arguments:

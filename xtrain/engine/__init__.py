@@ -4,5 +4,5 @@ checkpoint.py, resume.py (what a resumed run may change), monitor.py (the monito
 stop), tracking.py (W&B, TensorBoard, metrics.jsonl), reporting.py (log lines), sampler.py, and a study's
 trial side: pruning.py (report, prune) over study_settings.py (the study's settings and storage).
 
-May import: core, config, data, distributed, tasks.
+May import: core, config, data, parallel, tasks.
 """

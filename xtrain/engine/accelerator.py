@@ -2,8 +2,7 @@
 
 Accelerate falls back silently (FSDP to DDP on a CPU, N processes to N lone ones): `check_setup` stops a
 run that got anything other than the requested strategy and world. `fsdp_units` records what FSDP
-actually sharded. The CPU test seams (distributed/cpu_seams.py) set up their process groups and plugins here; preflight
-(launch/hardware.py) lets them past its refusals and the optimizer (optim.py) knows ZeRO's on the CPU.
+actually sharded. The suite's CPU seams (core/seams.py) change the plugins and the Accelerator here.
 """
 
 from __future__ import annotations
@@ -28,8 +27,9 @@ from accelerate.utils import (
     ProjectConfiguration,
 )
 
-from xtrain.config.schema import RunConfig, Strategy
-from xtrain.distributed import cpu_seams, plugins
+from xtrain.config.schema import RunConfig
+from xtrain.core import seams
+from xtrain.parallel import plugins, strategies
 from xtrain.engine import tracking
 
 
@@ -55,29 +55,19 @@ def plugin_kwargs(cfg: RunConfig, facts: plugins.ModelFacts) -> dict:
     rank's weights on GPU 0 first."""
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return plugins.accelerator_kwargs(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
+    return plugins.accelerator_kwargs(cfg, facts)
 
 
 def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) -> Accelerator:
     kwargs = plugin_kwargs(cfg, facts)
     # a collective that waits longer than this (a stuck or dead rank) raises instead of hanging
     timeout = timedelta(seconds=cfg.cluster.timeout_s)
-    cpu_zero = cpu_seams.zero_on_cpu(cfg.strategy)
-    process_group = InitProcessGroupKwargs(timeout=timeout, **({"backend": "gloo"} if cpu_zero else {}))
-    if cpu_zero:
-        cpu_seams.skip_the_shared_memory_all_reduce()
-    if cpu_zero and cfg.strategy.offload_optimizer.value != "none":
-        cpu_seams.accept_torch_adamw_offloaded(kwargs["deepspeed_plugin"])
-    if cpu_seams.fsdp_on_cpu(cfg.strategy):
-        cpu_seams.present_cpu_as_accelerator(kwargs["fsdp_plugin"], timeout)
-    if cpu_seams.fp8_on_cpu(cfg):
-        cpu_seams.emulate_fp8_matmuls()
-    if cpu_seams.fp8_on_cpu(cfg) and cfg.trainer.compile:
-        cpu_seams.compile_fp8_without_cpu_vectors()
+    # Without cpu=True a CUDA-less multi-process launch silently trains N independent models.
+    setup = {"cpu": not torch.cuda.is_available(), "process_group": {"timeout": timeout}}
+    seams.each("before_accelerator", cfg, kwargs, setup)
+    process_group = InitProcessGroupKwargs(**setup["process_group"])
     accelerator = Accelerator(
-        # Without cpu=True a CUDA-less multi-process launch silently trains N independent models;
-        # with it, Accelerate ignores a DeepSpeed plugin (ZeRO on CPU brings its own gloo group instead).
-        cpu=not torch.cuda.is_available() and not cpu_zero,
+        cpu=setup["cpu"],
         # DDP's gradient buckets are views of the gradients, not a second copy of them
         kwargs_handlers=[*kwargs.pop("kwargs_handlers", []), process_group,
                          DistributedDataParallelKwargs(gradient_as_bucket_view=True)],
@@ -93,25 +83,16 @@ def build_accelerator(cfg: RunConfig, run_dir: Path, facts: plugins.ModelFacts) 
             project_dir=str(run_dir), logging_dir=str(run_dir / tracking.TENSORBOARD_DIR)
         ),
     )
-    if cpu_seams.fp16_on_cpu(cfg):
-        cpu_seams.scale_fp16_losses(accelerator)
+    seams.each("after_accelerator", cfg, accelerator)
     return accelerator
 
 
 def check_setup(cfg: RunConfig, distributed_type: DistributedType, num_processes: int) -> None:
     """Accelerate falls back silently (FSDP to DDP, N processes to N lone ones): train only what was asked."""
-    strategy, world = cfg.strategy.name, cfg.cluster.world_size
-    if strategy is Strategy.fsdp:
-        wanted = {DistributedType.FSDP}
-    elif plugins.is_zero(cfg.strategy):
-        wanted = {DistributedType.DEEPSPEED}
-    elif world > 1:
-        wanted = {DistributedType.MULTI_CPU, DistributedType.MULTI_GPU}
-    else:
-        wanted = {DistributedType.NO}
-    if distributed_type not in wanted or num_processes != world:
+    world = cfg.cluster.world_size
+    if distributed_type.value not in strategies.of(cfg).accelerate_types(world) or num_processes != world:
         raise RuntimeError(
-            f"strategy={strategy.value} on {world} process(es): Accelerate set up {distributed_type.value} on "
+            f"strategy={cfg.strategy.name.value} on {world} process(es): Accelerate set up {distributed_type.value} on "
             f"{num_processes}; stopping rather than training something else"
         )
 

@@ -24,7 +24,7 @@ from xtrain.core.errors import ConfigError, WriteFailed, one_line
 from xtrain.core.memory import size
 from xtrain.core.files import fsync_dir, replace_dir
 from xtrain.config import schema
-from xtrain.distributed import mesh
+from xtrain.parallel import dims
 from xtrain.engine import reshard
 from xtrain.core.rundir import CHECKPOINT_NAME, CHECKPOINT_STATE, checkpoint_name, checkpoints_dir, complete_checkpoints
 
@@ -250,8 +250,8 @@ def keep_effective_batch(cfg):
     kept = resume.keep_effective_batch(cfg, recorded, f"resume={cfg.resume}: {path} trained")
     if kept.trainer.grad_accum != cfg.trainer.grad_accum:
         log.info("resume: %d data-parallel processes (the checkpoint's: %d): trainer.grad_accum %d -> %d keeps its "
-                 "effective batch of %d", mesh.of(cfg).data_parallel, mesh.of(schema.from_container(recorded)).data_parallel,
-                 cfg.trainer.grad_accum, kept.trainer.grad_accum, mesh.effective_batch(kept))
+                 "effective batch of %d", dims.of(cfg).data_parallel, dims.of(schema.from_container(recorded)).data_parallel,
+                 cfg.trainer.grad_accum, kept.trainer.grad_accum, dims.effective_batch(kept))
     return kept
 
 

@@ -10,9 +10,9 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 
-from xtrain.config.schema import RunConfig, Strategy
+from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import compiling, fp8, mesh, meta_init, plugins
+from xtrain.parallel import dims, fp8, strategies
 from xtrain.engine import sampler
 from xtrain.engine.pruning import Pruning
 from xtrain.engine.callbacks import Callbacks
@@ -48,15 +48,8 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
     t = cfg.trainer
     built = task.build(accelerator)
     model, train_set, val_set = built.model, built.train_set, built.val_set
-    if plugins.torchao_fp8(cfg):
-        fp8.convert(model, cfg.precision, fsdp=cfg.strategy.name is Strategy.fsdp)
-    if meta_init.is_lazy(model):  # FSDP2: sharded now, before the optimizer exists, its shards then filled
-        fsdp = cfg.strategy.name is Strategy.fsdp
-        model = meta_init.shard(accelerator, model) if fsdp else meta_init.materialize(model, accelerator.device)
-    if cfg.trainer.compile and cfg.strategy.name is Strategy.ddp:  # (the others compile in `prepare`)
-        compiling.compile_blocks(model)
-    if cfg.strategy.tp > 1:  # split over the tp axis before FSDP2 (in `prepare`) shards over the others
-        model = mesh.apply_tensor_parallel(accelerator, model)
+    parallelism = strategies.of(cfg)
+    model = parallelism.prepare_model(cfg, accelerator, model)
     model.train()
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg.trainer)
@@ -77,15 +70,15 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
     n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
     test_loader = None if built.test_set is None else DataLoader(built.test_set, batch_size=t.batch_size,
                                                                   collate_fn=built.collate)
-    with mesh.split_already(accelerator):
+    with parallelism.preparing(accelerator):
         model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
             model, optimizer, train_loader, val_loader, scheduler
         )
     test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
     # the same order at any world size, without a Python list of every epoch
-    sampler.lean(train_loader, mesh.effective_batch(cfg))
+    sampler.lean(train_loader, dims.effective_batch(cfg))
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
-        test_loader=test_loader, fp8=fp8.trained(model) if plugins.torchao_fp8(cfg) else None,
+        test_loader=test_loader, fp8=fp8.trained(model) if fp8.with_torchao(cfg) else None,
     )

@@ -17,7 +17,7 @@ from accelerate import Accelerator
 from xtrain.config.schema import RunConfig, TrainerConfig
 from xtrain.core.files import write_atomic
 from xtrain.core.rundir import EVALS, checkpoint_name
-from xtrain.distributed import mesh
+from xtrain.parallel import tensor_parallel
 from xtrain.engine import sampler
 from xtrain.tasks import metrics
 from xtrain.tasks.base import Task
@@ -42,11 +42,11 @@ def evaluate(accelerator: Accelerator, task: Task, model, loader, keep_outputs: 
     with_outputs = bool(task.metrics) or (keep_outputs and hasattr(task, "eval_outputs"))
     for batch in loader:
         if with_outputs:
-            sums, counts, out, target = mesh.gather_data_parallel(accelerator, task.eval_outputs(model, batch))
+            sums, counts, out, target = tensor_parallel.gather_data_parallel(accelerator, task.eval_outputs(model, batch))
             outputs.append(out.cpu())
             targets.append(target.cpu())
         else:
-            sums, counts = mesh.gather_data_parallel(accelerator, task.eval_losses(model, batch))
+            sums, counts = tensor_parallel.gather_data_parallel(accelerator, task.eval_losses(model, batch))
         total, count = total + sums.double().sum().cpu(), count + int(counts.sum())
     model.train()
     values = {"loss": (total / count).item()}

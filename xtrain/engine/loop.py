@@ -29,7 +29,7 @@ from xtrain.core import machine, memory, rundir, stopping
 from xtrain.core.errors import WriteFailed, one_line
 from xtrain.core.files import replace_dir
 from xtrain.core.rundir import Status
-from xtrain.distributed import compiling, fp8, mesh, plugins
+from xtrain.parallel import compiling, dims, fp8, strategies
 from xtrain.engine import checkpoint, evaluation, pruning, reporting, reshard, resume, sampler, tracking
 from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
@@ -97,7 +97,7 @@ class Run:
         self.accelerator = accelerator = build_accelerator(cfg, run_dir, facts)
         check_setup(cfg, accelerator.distributed_type, accelerator.num_processes)
         # preflight (hardware.check) refuses what Accelerate would silently run in fp32
-        assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or plugins.is_zero(cfg.strategy), "no autocast"
+        assert cfg.precision.name is Precision.fp32 or accelerator.native_amp or strategies.of(cfg).owns_precision, "no autocast"
         set_seed(cfg.trainer.seed)
         task = task_for(cfg)
         resume_from, self.set_aside = resume_setting(cfg.resume, run_dir), []
@@ -109,7 +109,7 @@ class Run:
         if accelerator.is_main_process:
             checkpoint.remove_partial(run_dir)
         self.c = c = build_components(cfg, accelerator, task)
-        c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process, mesh.effective_batch(cfg))
+        c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process, dims.effective_batch(cfg))
         model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
         last_logged, changed = self.restore()
         self.start_step = start = self.progress.step

@@ -12,7 +12,7 @@ import torch
 
 from xtrain.config.schema import Offload, RunConfig, TrainerConfig
 from xtrain.config.task import given
-from xtrain.distributed.cpu_seams import zero_on_cpu
+from xtrain.core import seams
 from xtrain.tasks.targets import call, importable, resolve, takes
 
 log = logging.getLogger("xtrain")
@@ -24,7 +24,7 @@ PEAK_RATES = ("max_lr",)  # a schedule's own peak rate (OneCycleLR, CyclicLR): f
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices only (not on biases, norms). Under ZeRO-Offload, DeepSpeed's
     DeepSpeedCPUAdam (vectorized C++ on the host copy; torch's AdamW there is several times slower), except
-    in the CPU test seam, whose DeepSpeed is told to accept torch's (cpu_seams.accept_torch_adamw_offloaded)."""
+    in the CPU test seam, whose DeepSpeed is told to accept torch's (tests/seams/zero_on_cpu.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = decay_groups(model, cfg.trainer.weight_decay)
     node = given(cfg.trainer.optimizer)
@@ -33,7 +33,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     if node is not None:
         return users_optimizer(node, groups, params, cfg.trainer)
     hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
-    if cfg.strategy.offload_optimizer is not Offload.none and not zero_on_cpu(cfg.strategy):
+    if cfg.strategy.offload_optimizer is not Offload.none and not seams.first("runs_on_cpu", "zero", cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)

@@ -18,8 +18,8 @@ from accelerate.utils import DistributedType
 from xtrain.config.schema import RunConfig
 from xtrain.core import machine, memory, rundir
 from xtrain.core.rundir import Status
-from xtrain.distributed import compiling, mesh, plugins
-from xtrain.distributed.estimate import model_state_memory
+from xtrain.parallel import compiling, dims, plugins
+from xtrain.parallel.estimate import model_state_memory
 from xtrain.engine import optim, sampler
 from xtrain.engine.accelerator import fsdp_units
 
@@ -97,7 +97,7 @@ def eval_text(values: dict, final: bool = False) -> str:
     return text + "".join(f" | val {name[4:]} {values[name]:.4f}" for name in names)
 
 
-def processes(world: int, strategy: str, layout: mesh.Mesh | None = None) -> str:
+def processes(world: int, strategy: str, layout: dims.ParallelDims | None = None) -> str:
     """`1 process`, `2 processes (DDP)`, `8 processes (FSDP)`, `1 process (ZeRO-3)`, `4 processes (HSDP: 2 replicas x
     2 shards)`."""
     if world == 1 and strategy == "ddp":
@@ -111,13 +111,13 @@ def processes(world: int, strategy: str, layout: mesh.Mesh | None = None) -> str
 def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path | None,
                  start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
     """result.json as the loop starts (status `running`), and the run's header line."""
-    t, world, layout = cfg.trainer, accelerator.num_processes, mesh.of(cfg)
+    t, world, layout = cfg.trainer, accelerator.num_processes, dims.of(cfg)
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
     per_epoch = sampler.steps_per_epoch(t.grad_accum, c.train_loader)
     log.info(
         "model %.2fM params%s | %d train / %d val %s | %s | effective batch %d %s, %s an epoch",
         c.n_params / 1e6, trains, c.n_train, c.n_val, c.unit, processes(world, cfg.strategy.name.value, layout),
-        mesh.effective_batch(cfg), c.task.batch_unit, f"{per_epoch} steps" if per_epoch else "less than a step",
+        dims.effective_batch(cfg), c.task.batch_unit, f"{per_epoch} steps" if per_epoch else "less than a step",
     )
     if c.fp8 is not None:
         log.info(c.fp8.words())
@@ -130,7 +130,7 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
         "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized,
                                                          optimizer_state=optim.state_bytes(cfg)).total,
         "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
-        "mesh": layout.as_dict(), "data_parallel_size": layout.data_parallel, "effective_batch": mesh.effective_batch(cfg),
+        "mesh": layout.as_dict(), "data_parallel_size": layout.data_parallel, "effective_batch": dims.effective_batch(cfg),
         "steps_per_epoch": per_epoch,
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)

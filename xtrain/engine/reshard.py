@@ -18,12 +18,14 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from xtrain.config.schema import RunConfig, StateDictType, Strategy
+from xtrain.config.schema import RunConfig
+from xtrain.parallel import strategies
+from xtrain.parallel.base import DDP_FORM, DEEPSPEED_FORM, FSDP_FULL_FORM, FSDP_SHARDED_FORM
 
 if TYPE_CHECKING:
     import torch
 
-DDP, FSDP_SHARDED, FSDP_FULL, DEEPSPEED = "ddp", "fsdp sharded", "fsdp full", "deepspeed"
+DDP, FSDP_SHARDED, FSDP_FULL, DEEPSPEED = DDP_FORM, FSDP_SHARDED_FORM, FSDP_FULL_FORM, DEEPSPEED_FORM
 MODEL_DCP, OPTIMIZER_DCP, FSDP_FULL_MODEL, OPTIMIZER_FILE = "pytorch_model_fsdp_0", "optimizer_0", "pytorch_model_fsdp.bin", "optimizer.bin"
 DEEPSPEED_DIR = "pytorch_model"
 
@@ -41,10 +43,7 @@ def written_as(path: Path) -> str:
 
 def loads_as(cfg: RunConfig) -> str:
     """The form this run's Accelerate loads."""
-    s = cfg.strategy
-    if s.name is Strategy.fsdp:
-        return FSDP_SHARDED if s.state_dict_type is StateDictType.sharded else FSDP_FULL
-    return DDP if s.name is Strategy.ddp else DEEPSPEED
+    return strategies.of(cfg).checkpoint_form(cfg)
 
 
 def native(path: Path, saved: dict, cfg: RunConfig) -> bool:

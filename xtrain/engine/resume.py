@@ -17,25 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xtrain.config import schema
+from xtrain.config import fields, schema
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import mesh
+from xtrain.parallel import dims
 
 # Settings (a dotted name, or a prefix ending in ".") a resume may change freely: when things happen, where they
-# run, how they are watched. (The world, with the effective batch kept: `keep_effective_batch`.)
-CADENCE_OR_PLACEMENT = (
-    "cluster.nodes", "cluster.min_nodes", "cluster.num_processes", "strategy.",
-    "trainer.log_every", "trainer.eval_every", "trainer.save_every", "trainer.keep_checkpoints",
-    "trainer.sample_prompts", "trainer.sample_max_tokens", "trainer.monitor", "trainer.monitor_direction",
-    "trainer.export", "trainer.early_stop_patience", "trainer.early_stop_min_delta", "tracker.", "task.code_dir", "data.num_proc", "data.cache_dir",
-    "cluster.kind", "cluster.node_rank", "cluster.main_process_ip", "cluster.main_process_port", "cluster.timeout_s",
-    "cluster.gpu_memory_gb", "cluster.gpus_per_node", "cluster.cpus_per_task", "cluster.mem_gb", "cluster.time_limit",
-    "cluster.partition", "cluster.account", "cluster.qos", "cluster.constraint", "cluster.exclude", "cluster.job_name",
-    "cluster.sbatch_args", "cluster.setup", "cluster.srun_args", "cluster.container_image", "cluster.container_mounts",
-    "cluster.container_python", "cluster.wait", "cluster.signal_lead_s", "cluster.max_requeues",
-    "run_dir", "resume", "resume_changes", "dry_run",
-)
+# run, how they are watched, as each field says (config/fields.py). (The world, with the effective batch kept:
+# `keep_effective_batch`.)
+FREE = tuple(fields.free_settings(RunConfig))
 # What `resume_changes=apply` makes take effect: the optimizer's and the schedule's settings
 APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio", "trainer.weight_decay",
               "trainer.max_grad_norm")
@@ -72,7 +62,7 @@ class Change:
         """It changes what trains (not only when or where)."""
         if self.kept_batch:
             return False
-        return not any(self.key == c or (c.endswith(".") and self.key.startswith(c)) for c in CADENCE_OR_PLACEMENT)
+        return not any(self.key == c or (c.endswith(".") and self.key.startswith(c)) for c in FREE)
 
 
 def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> RunConfig:
@@ -82,10 +72,10 @@ def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> Ru
     if recorded is None:
         return cfg
     saved, t = schema.from_container(recorded), cfg.trainer
-    before, now = mesh.of(saved).data_parallel, mesh.of(cfg).data_parallel
-    if t.batch_size != saved.trainer.batch_size or mesh.effective_batch(cfg) == mesh.effective_batch(saved):
+    before, now = dims.of(saved).data_parallel, dims.of(cfg).data_parallel
+    if t.batch_size != saved.trainer.batch_size or dims.effective_batch(cfg) == dims.effective_batch(saved):
         return cfg  # (another batch size: a change of what trains, refused by `changes`)
-    effective = mesh.effective_batch(saved)
+    effective = dims.effective_batch(saved)
     if effective % (t.batch_size * now):
         raise ConfigError(
             f"{what} with an effective batch of {effective} (trainer.batch_size {t.batch_size} x {before} "
@@ -100,7 +90,7 @@ def changes(recorded: dict, now: dict) -> list[Change]:
     effective batch on another world is where it runs, not what trains."""
     found = _differences(recorded, now)
     if any(c.key == "trainer.grad_accum" for c in found):
-        same = mesh.effective_batch(schema.from_container(recorded)) == mesh.effective_batch(schema.from_container(now))
+        same = dims.effective_batch(schema.from_container(recorded)) == dims.effective_batch(schema.from_container(now))
         found = [replace(c, kept_batch=same) if c.key == "trainer.grad_accum" else c for c in found]
     return found
 

@@ -15,14 +15,14 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from xtrain.core import seams
+
 log = logging.getLogger("xtrain")
 
-PEAK_ENV = "XTRAIN_TEST_PEAK_TFLOPS"  # test seam: a dense peak for a device the table lacks (the CPU), so MFU runs
 # Dense (not sparse) TFLOP/s per GPU from the vendors' data sheets: (bf16/fp16, fp8, tf32, fp32). The first name
 # found in the device's name wins: more specific names first.
 PEAK_TFLOPS = {
@@ -43,11 +43,9 @@ COLUMN = {"bf16": 0, "fp16": 0, "fp8": 1, "tf32": 2, "fp32": 3}
 
 def peak(device: torch.device, precision: str) -> tuple[float | None, dict]:
     """(one device's dense peak in FLOP/s, what it is: device, precision, TFLOP/s), or (None, why there is none)."""
-    seam = os.environ.get(PEAK_ENV)
     if device.type != "cuda":
-        if seam and not torch.cuda.is_available():
-            return float(seam) * 1e12, {"device": device.type, "precision": precision, "tflops": float(seam),
-                                        "source": PEAK_ENV}
+        if seam := seams.first("peak_tflops"):  # (the suite's, for a CPU: so MFU runs)
+            return seam * 1e12, {"device": device.type, "precision": precision, "tflops": seam, "source": "seam"}
         return None, {"unavailable": f"no dense peak is known for a {device.type.upper()}: MFU is reported on GPUs"}
     name = torch.cuda.get_device_name(device)
     kind = "tf32" if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32 else precision

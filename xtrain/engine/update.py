@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from xtrain.config.schema import TrainerConfig
 from xtrain.core import stopping
 from xtrain.core.errors import Diverged
-from xtrain.distributed import mesh
+from xtrain.parallel import tensor_parallel
 from xtrain.tasks.base import Task
 
 
@@ -67,7 +67,7 @@ def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor,
         return loss_sum, count, asked
     own = torch.stack([loss_sum.float(), *torch.tensor([float(asked), float(count)], device=loss_sum.device)])
     mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
-    return mean_loss_sum, round(mean_count * mesh.data_parallel_size(accelerator)), stop > 0
+    return mean_loss_sum, round(mean_count * tensor_parallel.data_parallel_size(accelerator)), stop > 0
 
 
 def read_losses(unread: list[tuple[int, torch.Tensor | float]], last_finite: tuple[int, float] | None,

@@ -4,5 +4,5 @@ plan.py (the dry run's plan), supervisor.py (torchrun's process tree: started, w
 whose ranks are forks of one process that has imported torch, transformers and Accelerate) and worker.py (each rank's
 entry point, which calls engine.loop.train).
 
-May import: core, config, data, distributed, tasks, engine.
+May import: core, config, data, parallel, tasks, engine.
 """

@@ -13,11 +13,11 @@ ends by returning from `run` (or raising): the agent waits for each rank's resul
 from __future__ import annotations
 
 import importlib
-import os
 import signal
 import sys
 
-SPAWN_ENV = "XTRAIN_TEST_SPAWN_RANKS"  # "1": ranks start as on an accelerator's build of torch (the suite's seam)
+from xtrain.core import seams
+
 
 
 def as_started_anew() -> None:
@@ -41,7 +41,7 @@ def start_method() -> str:
 
     accelerator = getattr(torch, "accelerator", None)  # (torch >= 2.6; before it, CUDA and ROCm builds)
     built = accelerator.current_accelerator() is not None if accelerator else torch.backends.cuda.is_built()
-    return "spawn" if built or os.environ.get(SPAWN_ENV) == "1" else "fork"
+    return "spawn" if built or seams.first("spawn_ranks") else "fork"
 
 
 def main() -> None:

@@ -14,11 +14,12 @@ import socket
 from dataclasses import replace
 
 from xtrain.config.cluster import ClusterConfig, ClusterKind
-from xtrain.config.schema import BaseQuantization, Fp8Backend, Offload, Precision, RunConfig, Strategy
+from xtrain.config.schema import BaseQuantization, Fp8Backend, Precision, RunConfig
 from xtrain.config.task import given
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
-from xtrain.distributed.cpu_seams import fp8_on_cpu, fp16_on_cpu, fsdp_on_cpu, zero_on_cpu
+from xtrain.core import seams
+from xtrain.parallel import strategies
 
 FP8_PACKAGES = {
     Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
@@ -53,8 +54,7 @@ def resolve_fused(cfg: RunConfig) -> RunConfig:
     t = cfg.trainer
     if t.fused_optimizer != "auto":
         return cfg
-    fused = (node_gpus(cfg) > 0 and given(t.optimizer) is None and cfg.strategy.offload_optimizer is Offload.none
-             and (cfg.strategy.name is Strategy.ddp or cfg.strategy.name is Strategy.fsdp and not cfg.strategy.cpu_offload))
+    fused = node_gpus(cfg) > 0 and given(t.optimizer) is None and strategies.of(cfg).steps_fused(cfg)
     return replace(cfg, trainer=replace(t, fused_optimizer=fused))
 
 
@@ -73,21 +73,16 @@ def refusal(cfg: RunConfig) -> str | None:
                 f"{len(machine.gpus())} of them there; check the node's driver and the job's GPU binding, "
                 "or ask for none (cluster.gpus_per_node=0: train on the nodes' CPUs)"
             )
-    strategy, precision = cfg.strategy.name, cfg.precision.name
-    if strategy is not Strategy.ddp and not cuda and not zero_on_cpu(cfg.strategy) and not fsdp_on_cpu(cfg.strategy):
-        kind = "FSDP" if strategy is Strategy.fsdp else "DeepSpeed ZeRO"
-        return (
-            f"strategy={strategy.value}: {kind} needs CUDA GPUs and this machine has none (Accelerate would "
-            f"{'silently train plain DDP' if strategy is Strategy.fsdp else 'fail inside DeepSpeed'}); "
-            "use strategy=ddp here, or run on GPU machines (dry_run=true shows the plan anywhere)"
-        )
+    precision = cfg.precision.name
+    if reason := strategies.of(cfg).refusal(cfg, cuda):
+        return reason
     if cfg.model.lora.quantize_base is not BaseQuantization.none and not cuda:
         return (
             f"model.lora.quantize_base={cfg.model.lora.quantize_base.value}: QLoRA's 4-bit base needs a CUDA GPU "
             "(bitsandbytes kernels) and this machine has none; use model.lora.quantize_base=none (LoRA on the "
             "full-precision base)"
         )
-    if precision is Precision.fp16 and not cuda and not fp16_on_cpu(cfg):
+    if precision is Precision.fp16 and not cuda and not seams.first("runs_on_cpu", "fp16", cfg):
         return (
             "precision=fp16: needs a CUDA GPU (Accelerate would silently train this CPU run in fp32); "
             "use precision=fp32 (or precision=bf16: autocast, fast on CPUs with AMX units)"
@@ -100,7 +95,7 @@ def refusal(cfg: RunConfig) -> str | None:
             "use precision=fp16 or precision=fp32"
         )
     if precision is Precision.fp8:
-        if not cuda and not fp8_on_cpu(cfg):
+        if not cuda and not seams.first("runs_on_cpu", "fp8", cfg):
             return "precision=fp8: needs a GPU with FP8 units (compute capability >= 8.9, e.g. H100, L4) and this machine has none; use precision=bf16"
         if oldest and oldest.capability < (8, 9):
             return (

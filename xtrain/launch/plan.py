@@ -7,13 +7,13 @@ import json
 import logging
 from dataclasses import dataclass
 
-from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, Strategy, TargetModel, TaskKind
+from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, TargetModel, TaskKind
 from xtrain.config.task import block_tokens, given
 from xtrain.core import machine
 from xtrain.core.memory import size
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import mesh, plugins
-from xtrain.distributed.estimate import GB, Memory, device_memory, smallest_fit
+from xtrain.parallel import dims, fp8, plugins, strategies
+from xtrain.parallel.estimate import GB, Memory, device_memory, smallest_fit
 from xtrain.engine import optim
 from xtrain.launch import hardware
 from xtrain.tasks.facts import model_facts
@@ -53,12 +53,7 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb
     on its CPU (its processes share it, and only the run's own strategy runs there); `job_nodes`: the run is a SLURM
     job on CPU nodes, and `ram_gb` is theirs (`cluster.mem_gb`, None where not given)."""
     n_params, facts = model_facts(cfg)
-    if plugins.is_zero(cfg.strategy):
-        settings = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
-    elif cfg.strategy.name is Strategy.fsdp:
-        settings = plugins.fsdp_settings(cfg.strategy, facts)
-    else:
-        settings = {}
+    settings = strategies.of(cfg).settings(cfg, facts)
     state = optim.state_bytes(cfg)
     memory = device_memory(n_params, cfg, facts, state)
     on_cpu = job_nodes or ram_gb is not None and not cfg.cluster.gpu_memory_gb
@@ -125,8 +120,8 @@ def not_fitting(plan: Plan) -> str:
 
 def render(plan: Plan) -> str:
     cfg, t, c = plan.cfg, plan.cfg.trainer, plan.cfg.cluster
-    layout = mesh.of(cfg)
-    effective = mesh.effective_batch(cfg)
+    layout = dims.of(cfg)
+    effective = dims.effective_batch(cfg)
     m = plan.memory
     lines = [
         "xtrain plan (dry run: nothing was launched)",
@@ -158,7 +153,7 @@ def render(plan: Plan) -> str:
     lines.append(f"  fits         {fits_words(plan)}")
     lines.append(f"  runs here    {'no: ' + plan.refusal if plan.refusal else 'yes'}")
     if plan.plugin_settings:
-        title = "deepspeed.json" if plugins.is_zero(cfg.strategy) else "fsdp plugin"
+        title = strategies.of(cfg).settings_title
         body = json.dumps(plan.plugin_settings, indent=2).replace("\n", "\n  ")
         lines.append(f"  {title}:\n  {body}")
     return "\n".join(lines)
@@ -187,14 +182,14 @@ def fits_words(plan: Plan) -> str:
     return f"NO: {need} > {has}; nothing fits: use more devices (cluster.nodes / cluster.num_processes)"
 
 
-def mesh_lines(cfg: RunConfig, layout: mesh.Mesh) -> list[str]:
+def mesh_lines(cfg: RunConfig, layout: dims.ParallelDims) -> list[str]:
     """The mesh, where the run composes axes: each axis's first rank group, how many there are, and whether an
     axis's groups cross nodes (its collectives then go over the links between them). Axes of size 1 are left out."""
     if not layout.composed:
         return []
     per_node = cfg.cluster.processes_per_node
     lines = [f"  mesh         {layout.shape()}: {layout.words()}"]
-    for axis in mesh.AXES:
+    for axis in dims.AXES:
         if getattr(layout, axis) == 1:
             continue
         groups = layout.groups(axis)
@@ -209,7 +204,7 @@ def mesh_lines(cfg: RunConfig, layout: mesh.Mesh) -> list[str]:
 
 def fp8_words(cfg: RunConfig, facts) -> str:
     """` (torchao, tensorwise: 15 linear layers in fp8)` for fp8 with torchao, else nothing."""
-    if not plugins.torchao_fp8(cfg):
+    if not fp8.with_torchao(cfg):
         return ""
     return f" (torchao, {cfg.precision.fp8_recipe.value}: {len(facts.fp8_layers)} linear layers in fp8)"
 

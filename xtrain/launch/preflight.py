@@ -25,7 +25,7 @@ from xtrain.config.task import check_monitor
 from xtrain.core import machine, rundir, runlock
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
-from xtrain.distributed import fp8, mesh, plugins
+from xtrain.parallel import fp8, plugins, strategies, zero
 from xtrain.engine import callbacks, checkpoint, optim, resume
 from xtrain.launch import hardware, plan
 from xtrain.tasks.facts import model_facts
@@ -34,7 +34,7 @@ from xtrain.tasks.registry import task_for
 log = logging.getLogger("xtrain")
 
 ACCELERATE_CONFIG = "accelerate_config.yaml"
-DEEPSPEED_CONFIG = "deepspeed.json"
+DEEPSPEED_CONFIG = zero.CONFIG_FILE
 
 
 def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
@@ -68,8 +68,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     callbacks.check(cfg, dry_run=cfg.dry_run)
     optim.check(cfg)
     _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
-    mesh.check(cfg, facts)
-    if plugins.torchao_fp8(cfg):
+    strategies.of(cfg).check(cfg, facts)
+    if fp8.with_torchao(cfg):
         fp8.check(cfg.precision, facts.fp8_layers, facts.model_class)
     if not planning:  # (a dry run's plan shows what does not fit)
         plan.check_fits(cfg)
@@ -103,12 +103,11 @@ def launch_refusal(cfg: RunConfig) -> str | None:
 
 def export_accelerate_files(cfg: RunConfig, facts: plugins.ModelFacts, path: Path) -> None:
     """The same run for plain `accelerate launch --config_file <run dir>/accelerate_config.yaml`."""
-    ds_path = None
-    if plugins.is_zero(cfg.strategy):
-        ds_path = path / DEEPSPEED_CONFIG
-        ds = plugins.deepspeed_config(cfg, facts, plugins.load_user_deepspeed_config(cfg.strategy))
-        write_atomic(ds_path, json.dumps(ds, indent=2) + "\n")
-    exported = plugins.accelerate_config(cfg, facts, str(ds_path), cuda=hardware.node_gpus(cfg) > 0)
+    files = {}
+    for name, text in strategies.of(cfg).launch_files(cfg, facts).items():
+        write_atomic(path / name, text)
+        files[name] = str(path / name)
+    exported = plugins.accelerate_config(cfg, facts, files, cuda=hardware.node_gpus(cfg) > 0)
     write_atomic(path / ACCELERATE_CONFIG, yaml.safe_dump(exported))
 
 

@@ -26,18 +26,17 @@ from typing import Callable
 import psutil
 
 from xtrain.config.cluster import ClusterConfig
-from xtrain.core import machine, rundir, stopping
+from xtrain.core import machine, rundir, seams, stopping
 from xtrain.core.errors import ConfigError, LaunchFailed
 from xtrain.core.rundir import ERRORS_DIR
 
 RANK0_PREFIX = "[default0]:"
 GRACE_S = 10
 LINGER_S = 60  # a tree still there this long after its run recorded its end is stopped
-LINGER_ENV = "XTRAIN_TEST_LINGER_S"  # the suite's shorter LINGER_S (test_launch.py)
 
 
 def linger_s() -> float:
-    return float(os.environ.get(LINGER_ENV, LINGER_S))
+    return seams.first("linger_s") or LINGER_S
 
 
 def free_port() -> int:

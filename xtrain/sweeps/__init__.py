@@ -3,5 +3,5 @@ summary.py (summary.csv and summary.md from the points' run dirs), and Optuna st
 ask, launch, tell, resume), study_on_slurm.py (the study's SLURM workers, each asking for trials) and
 search_space.py (`interval(...)`, `choice(...)`, `tag(log, ...)` overrides).
 
-May import: core, config, data, distributed, tasks, engine, launch, backends.
+May import: core, config, data, parallel, tasks, engine, launch, backends.
 """

@@ -28,7 +28,7 @@ from xtrain.core import rundir
 from xtrain.core.errors import ConfigError, SweepFailed
 from xtrain.core.files import write_atomic
 from xtrain.core.rundir import Status
-from xtrain.distributed import mesh
+from xtrain.parallel import dims
 from xtrain.engine import study_settings
 from xtrain.sweeps import search_space, summary, sweep
 from xtrain.sweeps import sweep_dir as sweep_dir_kept
@@ -74,7 +74,7 @@ class Study:
                 raise ConfigError(f"the search space's corner {' '.join(swept)} cannot run: "
                                   f"{str(err).split(': ', 1)[-1]}") from None
         self.corners = points
-        self.s.examples_per_step = min(mesh.effective_batch(p.cfg) for p in points)
+        self.s.examples_per_step = min(dims.effective_batch(p.cfg) for p in points)
         objective = self.s.objective
         if objective.startswith("val_"):
             from xtrain.config.task import check_one_number

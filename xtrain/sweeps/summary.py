@@ -19,7 +19,7 @@ import yaml
 
 from xtrain.config.task import block_tokens, known_direction
 from xtrain.core import rundir
-from xtrain.distributed import mesh
+from xtrain.parallel import dims
 from xtrain.core.files import write_atomic
 from xtrain.engine import study_settings
 
@@ -79,7 +79,7 @@ def run_row(path: Path, objective: str | None = None) -> dict:
         row["steps"], row["train_loss"] = latest_train_row(path)
     if cfg:
         world = cfg["cluster"]["nodes"] * int(cfg["cluster"]["num_processes"])
-        sequences = mesh.recorded_effective_batch(cfg)
+        sequences = dims.recorded_effective_batch(cfg)
         block = block_tokens(cfg.get("task", {}).get("name", "causal_lm"), cfg["data"])
         row.update(batch_sequences=sequences, batch_tokens=sequences * block if block else "",
                    world_size=result.get("world_size", world))

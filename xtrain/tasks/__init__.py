@@ -8,5 +8,5 @@ for a config. Beside them: metrics.py (the built-in metrics), lora.py (LoRA for 
 pretrained.py (a Hugging Face model's config and identity), facts.py (what the strategy code needs of a model)
 and exports.py (`xtrain.load_model`).
 
-May import: core, config, data, distributed.
+May import: core, config, data, parallel.
 """

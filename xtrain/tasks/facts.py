@@ -10,9 +10,9 @@ import json
 from importlib import metadata
 from pathlib import Path
 
-from xtrain.config.schema import ModelSource, RunConfig, Strategy, TaskKind
+from xtrain.config.schema import ModelSource, RunConfig, TaskKind
 from xtrain.core.files import write_atomic
-from xtrain.distributed import fp8, mesh, plugins
+from xtrain.parallel import fp8, plugins, strategies, tensor_parallel
 
 _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 
@@ -66,7 +66,7 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
 
     meta = task_for(cfg).on_meta()
     n_params = sum(p.numel() for p in meta.parameters())
-    wrap = plugins.fsdp_wrap_layer(cfg.strategy.wrap_layer, meta) if cfg.strategy.name is Strategy.fsdp else ""
+    wrap = strategies.of(cfg).wrap_layer(cfg, meta)
     trainable, quantized = None, 0
     if cfg.model.lora.enabled:
         from xtrain.tasks import lora
@@ -80,14 +80,14 @@ def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     heads = getattr(config, "num_attention_heads", None)
     layers = getattr(config, "num_hidden_layers", None)
     intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-    planned = mesh.tensor_parallel_plan(meta)
+    planned = tensor_parallel.tensor_parallel_plan(meta)
     return n_params, plugins.ModelFacts(
         hidden_size=hidden, wrap_layer=wrap, trainable=trainable, quantized=quantized, model_class=type(meta).__name__,
         tp_plan=bool(planned), heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         layers=layers, intermediate=intermediate or (4 * hidden if layers else None),
         vocab=getattr(config, "vocab_size", None),
         tp_split=sum(p.numel() for name, p in meta.named_parameters() if name in planned),
-        fp8_layers=fp8.layers(meta, cfg.precision)[0] if plugins.torchao_fp8(cfg) else (),
+        fp8_layers=fp8.layers(meta, cfg.precision)[0] if fp8.with_torchao(cfg) else (),
     )
 
 

@@ -7,7 +7,7 @@ import os
 
 from xtrain.config.schema import BaseQuantization, ModelArch, ModelConfig, ModelSource
 from xtrain.core.errors import ConfigError
-from xtrain.distributed import meta_init
+from xtrain.parallel import meta_init
 from xtrain.tasks.pretrained import cannot_load, pretrained_config
 
 log = logging.getLogger("xtrain")

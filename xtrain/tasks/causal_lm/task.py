@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from xtrain.config.schema import DataSource, ModelSource, RunConfig
 from xtrain.data import sources
-from xtrain.distributed import plugins
+from xtrain.parallel import strategies
 from xtrain.tasks import lora, pretrained
 from xtrain.tasks.base import TaskData
 from xtrain.tasks.causal_lm import model as models
@@ -81,7 +81,7 @@ class CausalLM:
         cfg = self.cfg
         built = self.data()
         # every rank together: under ZeRO-3 building the model is a collective (parameters are partitioned as made)
-        model = models.build(cfg.model, self.tokenizer, cfg.data.block_size, shard_later=plugins.builds_on_meta(cfg))
+        model = models.build(cfg.model, self.tokenizer, cfg.data.block_size, shard_later=strategies.of(cfg).builds_on_meta(cfg))
         if cfg.model.lora.enabled:
             model = lora.adapt(model, cfg.model.lora)
         built.model = model

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from xtrain.distributed import compiling
+from xtrain.parallel import compiling
 
 MIN_NUMEL = 1 << 16  # tensors this large or larger are built on meta; the rest (at most 256 KB each) as usual
 RANDOM_WRITES = {"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_",

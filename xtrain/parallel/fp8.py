@@ -18,11 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from xtrain.config.precision import Fp8Recipe, PrecisionConfig
+from xtrain.config.precision import Fp8Backend, Fp8Recipe, Precision, PrecisionConfig
 from xtrain.core.errors import ConfigError
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # (names wrappers add)
 
+
+
+def with_torchao(cfg) -> bool:
+    """The run trains in fp8 through torchao (its layers converted by xtrain, before `prepare`)."""
+    return cfg.precision.name is Precision.fp8 and cfg.precision.fp8_backend is Fp8Backend.torchao
 
 def plain(name: str) -> str:
     """A module's name without what activation checkpointing, compile or FSDP add to it."""

@@ -11,19 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from xtrain.config.schema import RunConfig, Strategy
 
 # trainer.compile_tuning: inductor times its generated kernels' launch configurations as it compiles them
 TUNING = {"coordinate_descent_tuning": True, "max_autotune_pointwise": True}
-
-
-def dynamo_plugin(cfg: RunConfig):
-    """The Accelerator's TorchDynamoPlugin where Accelerate compiles (FSDP2, ZeRO), else None."""
-    from accelerate.utils import TorchDynamoPlugin
-
-    if not cfg.trainer.compile or cfg.strategy.name is Strategy.ddp:
-        return None
-    return TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
 
 
 def compile_blocks(model: torch.nn.Module) -> None:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xtrain.config.schema import FsdpSharding, Offload, Precision, RunConfig, Strategy, TaskKind
-from xtrain.distributed import mesh
+from xtrain.config.schema import Offload, Precision, RunConfig, Strategy, TaskKind
+from xtrain.parallel import dims, strategies
+from xtrain.parallel.base import ADAM_STATE, bytes_per_param  # noqa: F401 (estimate.bytes_per_param: the figures' source)
 
 GB = 1e9  # decimal gigabytes, as in the ZeRO paper's figures
 
@@ -38,15 +39,6 @@ class Memory:
         return self.states + (self.activations or 0.0)
 
 
-ADAM_STATE = 8.0  # bytes a parameter: Adam's two fp32 moments
-
-
-def bytes_per_param(precision: Precision, state: float = ADAM_STATE) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) for an optimizer keeping `state` bytes a parameter (Adam's 8); under
-    mixed precision the optimizer also holds the fp32 master copy."""
-    if precision is Precision.fp32:
-        return 4, 4, state
-    return 2, 2, 4 + state
 
 
 QUANTIZED_BYTES = 0.5  # a 4-bit weight (QLoRA's base; its quantization constants, ~0.1 bit each, not counted)
@@ -59,42 +51,12 @@ def model_state_memory(n_params: int, cfg: RunConfig, trainable: int | None = No
     shards over dp_shard (replicas hold a copy each) and `tp_split` of the parameters (those the tensor-parallel
     plan splits) are split over tp first. `optimizer_state`: the bytes a parameter the run's optimizer keeps (a
     user's, measured: engine/optim.py); None: AdamW's."""
-    s = cfg.strategy
-    n = cfg.cluster.world_size
-    state = ADAM_STATE if optimizer_state is None else optimizer_state
-    w, g, k = bytes_per_param(cfg.precision.name, state)
-    if s.name is Strategy.ddp:  # autocast: fp32 weights and gradients, whatever the precision
-        params, grads, opt = 4, 4, state
-    elif s.name is Strategy.zero1:
-        params, grads, opt = w, g, k / n
-    elif s.name is Strategy.zero2:
-        params, grads, opt = w, g / n, k / n
-    elif s.name is Strategy.zero3:
-        params, grads, opt = w / n, g / n, k / n
-    else:  # FSDP keeps fp32 weights and gradients, sharded over its sharding group
-        sharding = s.sharding if s.fsdp_version == 1 else FsdpSharding.full_shard
-        group = min(n, cfg.cluster.processes_per_node) if sharding is FsdpSharding.hybrid_shard else n
-        if s.fsdp_version == 2:
-            layout = mesh.of(cfg)
-            group = layout.dp_shard
-            n_params, trainable = _split(n_params, tp_split, layout.tp), _split(trainable, tp_split, layout.tp)
-        if sharding is FsdpSharding.no_shard:
-            group = 1
-        params = 4 if sharding is FsdpSharding.shard_grad_op else 4 / group
-        grads, opt = 4 / group, state / group
-        if s.cpu_offload:
-            params = grads = opt = 0
-    if s.offload_optimizer is not Offload.none:
-        opt = 0
-    if s.offload_param is not Offload.none:
-        params = 0
+    parallelism = strategies.of(cfg)
+    params, grads, opt = parallelism.state_bytes(cfg, ADAM_STATE if optimizer_state is None else optimizer_state)
+    n_params = parallelism.local_parameters(cfg, n_params, tp_split)
+    trainable = parallelism.local_parameters(cfg, trainable, tp_split)
     trained = n_params if trainable is None else trainable
     return Memory(params * (n_params - quantized) + QUANTIZED_BYTES * quantized, grads * trained, opt * trained)
-
-
-def _split(count: int | None, split: int, tp: int) -> float | None:
-    """Parameters per tensor-parallel rank: those the plan splits, a tp-th each; the rest whole."""
-    return None if count is None else count - split + split / tp
 
 
 def activation_memory(cfg: RunConfig, facts) -> float | None:
@@ -111,7 +73,7 @@ def activation_memory(cfg: RunConfig, facts) -> float | None:
     if cfg.task.name is not TaskKind.causal_lm or not facts.layers or not facts.intermediate or not facts.vocab:
         return None
     s = cfg.strategy
-    tp = s.tp if s.name is Strategy.fsdp else 1
+    tp = dims.of(cfg).tp
     h, i, heads = facts.hidden_size, facts.intermediate, facts.heads or 1
     h_kv = h * (facts.kv_heads or heads) / heads
     fp32 = cfg.precision.name is Precision.fp32
