@@ -404,7 +404,7 @@ def test_a_custom_model_under_every_sharded_strategy_follows_one_process(project
     FSDP2 wraps the blocks of the model's nn.ModuleList."""
     run_dir = tmp_path / "run"
     run_xtrain(f"run_dir={run_dir}", *BLOCKS_RUN, f"strategy={strategy}", "cluster.num_processes=2",
-               "trainer.batch_size=16", env={env: "1"}, cwd=project)
+               "trainer.batch_size=16", env=env, cwd=project)
     result, one = read_result(run_dir), read_result(blocks_one_process)
     assert result["status"] == "completed" and result["world_size"] == 2
     assert result["model_parameters"] == one["model_parameters"]
