@@ -6,7 +6,7 @@ import sys
 from importlib import metadata
 
 from conftest import xtrain_in_process
-from xtrain.config.schema import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
+from xtrain.config.schema import Precision, PrecisionConfig, RunConfig, Strategy, strategy_config
 from xtrain.core import machine
 from xtrain.launch import hardware
 
@@ -21,7 +21,7 @@ def test_env_report():
     assert rows["cpu"].endswith(", matrix units AMX (bf16)") is ("amx_bf16" in (machine.cpu_flags() or ()))
     assert rows["memory"] == f"{machine.ram_bytes() / 1e9:.2f} GB RAM (what a run on the CPU plans against)"
     for strategy in Strategy:  # the report says what preflight would say
-        reason = hardware.refusal(RunConfig(strategy=StrategyConfig(name=strategy)))
+        reason = hardware.refusal(RunConfig(strategy=strategy_config(strategy)))
         assert rows[f"strategy={strategy.value}"] == ("yes" if reason is None else f"no: {reason.split(': ', 1)[1]}")
     for precision in Precision:  # (bf16 on a CPU without AMX units: yes, and slower than fp32: tests/test_speed.py)
         cfg = RunConfig(precision=PrecisionConfig(name=precision))

@@ -35,7 +35,7 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.compile=maybe"], ["trainer.compile=maybe: not a valid bool; use true or false"]),
         (["precision.fp8_skip=self_attn"],
          ["precision.fp8_skip=self_attn: not a list; give one in brackets, e.g. precision.fp8_skip=[self_attn]"]),
-        (["cluster.sbatch_args=[mail-type]"], ["cluster.sbatch_args=[mail-type]: not a mapping; set its keys, e.g. "
+        (["cluster=slurm", "cluster.sbatch_args=[mail-type]"], ["cluster.sbatch_args=[mail-type]: not a mapping; set its keys, e.g. "
                                                "cluster.sbatch_args.KEY=VALUE, or give one in braces: "
                                                "'cluster.sbatch_args={KEY: VALUE}'"]),
         (["trainer.optimizer=sgd"], ["trainer.optimizer=sgd: not a mapping"]),

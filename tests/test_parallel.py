@@ -3,12 +3,13 @@ the dims hold the one effective-batch formula, and the seams are installed only 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from conftest import REPO, SEAMS, compose_run, seams
-from xtrain.config.schema import Strategy
+from xtrain.config.schema import ConfigError, Strategy
 from xtrain.core import seams as hook
 from xtrain.parallel import dims, strategies
 from xtrain.parallel.base import ModelFacts
@@ -104,14 +105,39 @@ def test_what_a_resume_may_change_is_said_on_each_field():
         assert Change(key, 1, 2).trains, key
 
 
-def test_which_option_reads_a_setting_is_said_on_its_field():
-    from xtrain.config.cluster import ClusterConfig
-    from xtrain.config.fields import not_read_by
-    from xtrain.config.strategy import StrategyConfig
+def test_each_option_has_a_schema_of_its_own():
+    """Another option's setting is no such setting; the settings every option reads are in the group's base."""
+    from xtrain.config import schema
+    from xtrain.config.cluster import ClusterKind, LocalConfig, SlurmConfig
+    from xtrain.config.strategy import DdpConfig, FsdpConfig, StrategyConfig, ZeroConfig, strategy_config
 
-    assert not_read_by(StrategyConfig(), "fsdp") == []
-    assert "cpu_offload" in not_read_by(StrategyConfig(), "zero3") and "tp" not in not_read_by(StrategyConfig(), "ddp")
-    assert "partition" in not_read_by(ClusterConfig(), "local") and not_read_by(ClusterConfig(), "slurm") == []
+    assert [type(strategy_config(s)) for s in Strategy] == [DdpConfig, ZeroConfig, ZeroConfig, ZeroConfig, FsdpConfig]
+    assert {"fsdp_version", "offload_optimizer"} & {f.name for f in dataclasses.fields(DdpConfig)} == set()
+    assert {f.name for f in dataclasses.fields(StrategyConfig)} == {"name", "dp_replicate", "tp", "cp"}
+    assert "partition" in {f.name for f in dataclasses.fields(SlurmConfig)} - {f.name for f in dataclasses.fields(LocalConfig)}
+    index = schema.setting_index()
+    assert (index["strategy.sharding"], index["strategy.nvme_path"], index["strategy.tp"]) == \
+        ("strategy=fsdp", "strategy=zero1|zero2|zero3", "")
+    assert index["cluster.partition"] == "cluster=slurm" and index["cluster.nodes"] == ""
+    assert schema.option_schema("cluster", {"kind": ClusterKind.slurm}) is SlurmConfig
+    with pytest.raises(ConfigError, match="strategy.name=zero3: set by the strategy option; use strategy=zero3"):
+        DdpConfig(name=Strategy.zero3)
+
+
+def test_a_run_yaml_of_flat_groups_still_loads(tmp_path):
+    """A run.yaml (or a checkpoint's config) written when a group's settings were one list for all its options holds
+    the other options' at their defaults: read as the chosen option's settings."""
+    from omegaconf import OmegaConf
+
+    from xtrain.config import schema
+
+    flat = schema.to_container(schema.RunConfig())
+    flat["strategy"].update(offload_optimizer="none", fsdp_version=2, sharding="full_shard", wrap_layer=None)
+    flat["cluster"].update(partition=None, time_limit="01:00:00", min_nodes=None, sbatch_args={})
+    (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(flat))
+    cfg = schema.load(str(tmp_path / "run.yaml"))
+    assert type(cfg.strategy).__name__ == "DdpConfig" and type(cfg.cluster).__name__ == "LocalConfig"
+    assert schema.to_container(cfg) == schema.to_container(schema.RunConfig())
 
 
 def test_the_tiers_are_found_from_what_each_test_starts():

@@ -87,14 +87,14 @@ def test_adamw_is_fused_by_default_where_the_run_trains_on_gpus(overrides, gpus,
     plan record it."""
     from dataclasses import replace
 
-    from xtrain.config.cluster import ClusterKind
+    from xtrain.config.cluster import SlurmConfig
     from xtrain.launch import hardware
     from xtrain.launch.plan import optimizer
 
     here = compose_run(*overrides)  # (resolved for this machine: no GPU)
     asked = "auto" if not any("fused_optimizer" in o for o in overrides) else here.trainer.fused_optimizer
     job = replace(here, trainer=replace(here.trainer, fused_optimizer=asked),
-                  cluster=replace(here.cluster, kind=ClusterKind.slurm, gpus_per_node=str(gpus)))
+                  cluster=SlurmConfig(num_processes=here.cluster.num_processes, gpus_per_node=str(gpus)))
     cfg = hardware.resolve_fused(job)
     assert cfg.trainer.fused_optimizer is fused
     assert optimizer(cfg) == {True: "AdamW (fused)", False: "AdamW (foreach)"}[fused] or overrides[0].startswith(

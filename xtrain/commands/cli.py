@@ -31,9 +31,7 @@ from xtrain.sweeps import sweep_dir
 GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
     "data": schema.DataConfig,
-    "strategy": schema.StrategyConfig,
     "precision": schema.PrecisionConfig,
-    "cluster": schema.ClusterConfig,
     "trainer": schema.TrainerConfig,
     "tracker": schema.TrackerConfig,
     "task": schema.TaskConfig,
@@ -45,9 +43,14 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     root = OmegaConf.structured(RunConfig)
     root.model, root.data = "???", "???"  # typed by the group option: a schema's, or a user's own by _target_
+    for group in schema.OPTION_SCHEMAS:
+        root[group] = "???"  # typed by the group option's own schema
     store.store(name="run_config", node=root)
     for group, node in GROUP_SCHEMAS.items():
         store.store(group=f"schema/{group}", name="base", node=node)  # extended by xtrain/conf/<group>/*.yaml
+    for group, (_, _, options) in schema.OPTION_SCHEMAS.items():
+        for option in set(options.values()):  # FsdpConfig as schema/strategy/fsdp, extended by conf/strategy/fsdp.yaml
+            store.store(group=f"schema/{group}", name=option.__name__.removesuffix("Config").lower(), node=option)
 
 
 def command_argv(doc: str, argv: list[str] | None) -> list[str] | None:
@@ -204,7 +207,7 @@ def refusal_line(err: Exception) -> str:
         return yaml_error(err)
     if isinstance(err, MissingConfigException):
         return unknown_option(str(err))
-    return explain(err, schema.setting_names())
+    return explain(err, schema.setting_index())
 
 
 def yaml_error(err) -> str:

@@ -11,7 +11,7 @@ import platform
 import sys
 from importlib import metadata
 
-from xtrain.config.schema import Precision, PrecisionConfig, RunConfig, Strategy, StrategyConfig
+from xtrain.config.schema import Precision, PrecisionConfig, RunConfig, Strategy, strategy_config
 from xtrain.core import machine
 from xtrain.launch import hardware
 
@@ -53,7 +53,7 @@ def accelerate_settings() -> list[tuple[str, str]]:
 
 
 def can_run() -> list[tuple[str, str]]:
-    requests = [(f"strategy={s.value}", RunConfig(strategy=StrategyConfig(name=s))) for s in Strategy]
+    requests = [(f"strategy={s.value}", RunConfig(strategy=strategy_config(s))) for s in Strategy]
     requests += [(f"precision={p.value}", RunConfig(precision=PrecisionConfig(name=p))) for p in Precision]
     rows = []
     for key, cfg in requests:

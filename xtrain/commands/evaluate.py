@@ -74,7 +74,7 @@ def run_config(run_dir: Path, overrides: list[str]):
     try:
         return schema.from_container(config)
     except OmegaConfBaseException as err:
-        raise ConfigError(explain(err, schema.setting_names())) from None
+        raise ConfigError(explain(err, schema.setting_index())) from None
 
 
 def evaluate_here(run_dir: Path, cfg, options: dict) -> dict | None:

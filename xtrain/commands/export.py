@@ -59,7 +59,7 @@ def export(run_dir: Path, checkpoint: Path, out: Path) -> None:
     from accelerate import Accelerator
 
     from xtrain.config import schema
-    from xtrain.config.schema import Strategy, StrategyConfig
+    from xtrain.config.schema import DdpConfig, LocalConfig
     from xtrain.core import machine
     from xtrain.engine import reshard
     from xtrain.tasks.registry import task_for
@@ -67,8 +67,7 @@ def export(run_dir: Path, checkpoint: Path, out: Path) -> None:
     machine.name_deepspeed_accelerator()
     cfg = schema.load(str(run_dir / rundir.RUN_CONFIG))
     # built whole, in this process: as a one-process DDP run builds it
-    cfg = dataclasses.replace(cfg, strategy=StrategyConfig(name=Strategy.ddp),
-                              cluster=dataclasses.replace(cfg.cluster, num_processes="1", nodes=1))
+    cfg = dataclasses.replace(cfg, strategy=DdpConfig(), cluster=LocalConfig(num_processes="1"))
     task = task_for(cfg)
     model = task.build(Accelerator(cpu=True)).model
     with reshard.readable(checkpoint, True, lambda: None) as source:

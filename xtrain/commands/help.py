@@ -53,12 +53,12 @@ def defaults() -> dict[str, str | None]:
 
 def field_docs(schema) -> dict[str, str]:
     """The docstring under each field of a dataclass (the string literal that follows it), by field name."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(schema)))
-    body = tree.body[0].body
     docs = {}
-    for node, after in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(after.value.value).split())
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):  # (an option's: its base's too)
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).split()) or docs.get(node.target.id, "")
     return {f.name: docs.get(f.name, "") for f in dataclasses.fields(schema)}
 
 
@@ -94,9 +94,11 @@ def reference() -> str:
 
     from xtrain.config.schema import RunConfig
 
+    from xtrain.config.schema import OPTION_SCHEMAS
+
     hints = typing.get_type_hints(RunConfig)  # a group typed by its option (model, data): its schema's default
     hints.update({f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)
-                  if f.default_factory is not dataclasses.MISSING})
+                  if f.default_factory is not dataclasses.MISSING and f.name not in OPTION_SCHEMAS})
     chosen, root = defaults(), field_docs(RunConfig)
     out = []
     for group in GROUPS:
@@ -108,6 +110,14 @@ def reference() -> str:
             out += ["| setting | type | default | what |", "| --- | --- | --- | --- |"]
             out += _settings(hints[group], group)
             out.append("")
+        if group in OPTION_SCHEMAS:  # each option's own settings, after those every option reads
+            every = {f.name for f in dataclasses.fields(hints[group])}
+            for option in dict.fromkeys(OPTION_SCHEMAS[group][2].values()):
+                rows = _settings(option, group, skip=every)
+                names = "|".join(name.value for name in option.NAMES)
+                if rows:
+                    out += [f"Settings of `{group}={names}` alone:", "", "| setting | type | default | what |",
+                            "| --- | --- | --- | --- |", *rows, ""]
     out += ["## Settings of every run", "", "| setting | type | default | what |", "| --- | --- | --- | --- |"]
     defaults_of = {f.name: f.default for f in dataclasses.fields(RunConfig)}
     out += [f"| `{name}` | `{_type(hints[name])}` | `{defaults_of[name]}` | {_cell(root[name])} |"
@@ -115,11 +125,13 @@ def reference() -> str:
     return "\n".join(out) + "\n"
 
 
-def _settings(schema, prefix: str) -> list[str]:
+def _settings(schema, prefix: str, skip: set[str] = frozenset()) -> list[str]:
     import typing
 
     hints, docs, rows = typing.get_type_hints(schema), field_docs(schema), []
     for f in dataclasses.fields(schema):
+        if f.name in skip:
+            continue
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
             rows += _settings(kind, f"{prefix}.{f.name}")

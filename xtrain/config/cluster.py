@@ -8,12 +8,12 @@ are files others may read; a secret belongs in the environment, which sbatch pas
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Dict, List, Optional
 
-from xtrain.config.fields import all_free, not_read_by, setting
-from xtrain.core.errors import ConfigError, changed_settings, non_negative, positive
+from xtrain.config.fields import all_free
+from xtrain.core.errors import ConfigError, non_negative, positive
 
 
 class ClusterKind(Enum):
@@ -37,14 +37,12 @@ def looks_like_secret(name: str) -> bool:
 @all_free  # (where it runs: the effective batch is kept)
 @dataclass
 class ClusterConfig:
+    """What every cluster option reads: the nodes, their processes and the rendezvous. Each option of the `cluster`
+    group extends it (`LocalConfig`, `SlurmConfig`): another option's setting is no such setting."""
     kind: ClusterKind = ClusterKind.local
     """Where the run runs: this machine or a SLURM job; each option of the `cluster` group sets it."""
     nodes: int = 1
     """Machines the run spans (one task each under SLURM; several local nodes need node_rank and the rendezvous)."""
-    min_nodes: Optional[int] = None
-    """SLURM: the fewest nodes a job that requeues itself after a stop signal may continue on: it asks for the
-    partition's nodes that can still run (not drained or down), at most `nodes`; grad_accum keeps the effective
-    batch. Default: `nodes` again."""
     node_rank: int = 0
     """This machine's rank among the nodes (0: the one that writes the run dir)."""
     num_processes: str = "auto"
@@ -60,54 +58,95 @@ class ClusterConfig:
     check_memory: bool = True
     """A run whose planned memory does not fit (this machine's, or the job's nodes') is refused before it starts;
     false: warned about, and started anyway (the plan's estimate is a lower bound)."""
-    # cluster=slurm: one job, one task per node, each running that node's workers (xtrain/backends/slurm/)
-    gpus_per_node: str = setting("auto", only=("slurm",))
+
+    NAMES = ()  # the options this schema is the settings of
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.NAMES:
+            raise ConfigError(f"cluster.kind={self.kind.value}: set by the cluster option; use cluster={self.kind.value}")
+        positive("cluster.nodes", self.nodes)
+        positive("cluster.timeout_s", self.timeout_s)
+        if not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
+        if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):
+            raise ConfigError(f"cluster.num_processes={self.num_processes}: must be a positive number or auto")
+        if self.main_process_port is not None and not 0 < self.main_process_port < 65536:
+            raise ConfigError(f"cluster.main_process_port={self.main_process_port}: must be a port number (1-65535)")
+        if self.gpu_memory_gb is not None:
+            positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
+
+    @property
+    def processes_per_node(self) -> int:
+        assert self.num_processes != "auto", "launch resolves num_processes=auto first"
+        return int(self.num_processes)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+@dataclass
+class LocalConfig(ClusterConfig):
+    """cluster=local: this machine (or, with `nodes` > 1, each machine started by hand with its `node_rank`)."""
+    NAMES = (ClusterKind.local,)
+
+
+@dataclass
+class SlurmConfig(ClusterConfig):
+    """cluster=slurm: one job, one task per node, each running that node's workers (xtrain/backends/slurm/)."""
+    kind: ClusterKind = ClusterKind.slurm
+    min_nodes: Optional[int] = None
+    """The fewest nodes a job that requeues itself after a stop signal may continue on: it asks for the
+    partition's nodes that can still run (not drained or down), at most `nodes`; grad_accum keeps the effective
+    batch. Default: `nodes` again."""
+    gpus_per_node: str = "auto"
     """GPUs to request on each node: `auto` (every GPU of a node of the partition; none on a CPU partition) or a
     number (0 on a GPU partition: train on the nodes' CPUs). num_processes=auto starts one process per GPU."""
-    cpus_per_task: str = setting("all", only=("slurm",))
+    cpus_per_task: str = "all"
     """CPUs for each node's task (all of that node's workers): `all` (every CPU of a node of the partition, the
     fewest where nodes differ) or a number. Both sbatch and srun get it as --cpus-per-task."""
-    mem_gb: Optional[float] = setting(None, only=("slurm",))
+    mem_gb: Optional[float] = None
     """Memory per node; default: the partition's. A job on CPUs (no GPU asked) is planned against it."""
-    time_limit: str = setting("01:00:00", only=("slurm",))
+    time_limit: str = "01:00:00"
     """SLURM's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    partition: Optional[str] = setting(None, only=("slurm",))
+    partition: Optional[str] = None
     """SLURM: the partition (default: the cluster's default partition)."""
-    account: Optional[str] = setting(None, only=("slurm",))
+    account: Optional[str] = None
     """SLURM: `--account`."""
-    qos: Optional[str] = setting(None, only=("slurm",))
+    qos: Optional[str] = None
     """SLURM: `--qos`."""
-    constraint: Optional[str] = setting(None, only=("slurm",))
+    constraint: Optional[str] = None
     """SLURM: `--constraint` (node features)."""
-    exclude: Optional[str] = setting(None, only=("slurm",))
+    exclude: Optional[str] = None
     """Nodes not to run on, e.g. `n[3-4]`."""
-    job_name: str = setting("xtrain", only=("slurm",))
+    job_name: str = "xtrain"
     """SLURM: the job's name in squeue."""
-    sbatch_args: Dict[str, str] = setting(factory=dict, only=("slurm",))
+    sbatch_args: Dict[str, str] = field(default_factory=dict)
     """More `#SBATCH --key=value` lines, e.g. {mail-type: END}."""
-    setup: List[str] = setting(factory=list, only=("slurm",))
+    setup: List[str] = field(default_factory=list)
     """Shell lines run before the job's srun (module loads, environment activation)."""
-    srun_args: List[str] = setting(factory=list, only=("slurm",))
+    srun_args: List[str] = field(default_factory=list)
     """SLURM: more arguments for the `srun` line that starts each node's task."""
-    container_image: Optional[str] = setting(None, only=("slurm",))
+    container_image: Optional[str] = None
     """Run every node's task in this image (pyxis: srun --container-image); xtrain must be installed in it."""
-    container_mounts: Optional[str] = setting(None, only=("slurm",))
+    container_mounts: Optional[str] = None
     """pyxis --container-mounts, e.g. /data:/data,/scratch:/scratch (the run dir must be visible inside)."""
-    container_python: Optional[str] = setting(None, only=("slurm",))
+    container_python: Optional[str] = None
     """The interpreter that runs each node's task; default: `python3` in a container image, else this one."""
-    wait: bool = setting(True, only=("slurm",))
+    wait: bool = True
     """Follow the submitted job to its end (states, rank 0's log); false: return after submitting."""
-    signal_lead_s: int = setting(120, only=("slurm",))
+    signal_lead_s: int = 120
     """SLURM warns the job this long before its time limit (and on preemption, where the cluster sends
     it): every rank finishes its step, a checkpoint is written, the job requeues itself. Leave time for
     a step and a checkpoint."""
-    max_requeues: int = setting(10, only=("slurm",))
+    max_requeues: int = 10
     """Restarts a job may have; a stop signal after that many ends the run `interrupted`, with its
     checkpoint, for `resume=auto` by hand."""
 
+    NAMES = (ClusterKind.slurm,)
+
     def __post_init__(self) -> None:
-        positive("cluster.nodes", self.nodes)
-        positive("cluster.timeout_s", self.timeout_s)
+        super().__post_init__()
         if self.mem_gb is not None:
             positive("cluster.mem_gb", self.mem_gb)
         if not (self.gpus_per_node == "auto" or self.gpus_per_node.isdigit()):
@@ -117,27 +156,13 @@ class ClusterConfig:
         minutes = time_limit_minutes(self.time_limit)
         positive("cluster.signal_lead_s", self.signal_lead_s)
         non_negative("cluster.max_requeues", self.max_requeues)
-        if self.kind is ClusterKind.slurm and self.signal_lead_s >= minutes * 60:
+        if self.signal_lead_s >= minutes * 60:
             raise ConfigError(
                 f"cluster.signal_lead_s={self.signal_lead_s}: the warning would come before the job starts "
                 f"(cluster.time_limit={self.time_limit} is {minutes * 60} s); use a smaller lead or a longer limit"
             )
         if self.min_nodes is not None and not 0 < self.min_nodes <= self.nodes:
             raise ConfigError(f"cluster.min_nodes={self.min_nodes}: must be in [1, cluster.nodes={self.nodes}]")
-        if self.min_nodes is not None and self.kind is not ClusterKind.slurm:
-            raise ConfigError(f"cluster.min_nodes={self.min_nodes}: a SLURM setting (a node range for the job); "
-                              "use it with cluster=slurm")
-        for asked in changed_settings(self, "cluster", not_read_by(self, self.kind.value)):
-            raise ConfigError(f"{asked}: a setting of a SLURM job, and this run trains on this machine "
-                              "(cluster=local); add cluster=slurm to submit it, or drop it")
-        if not 0 <= self.node_rank < self.nodes:
-            raise ConfigError(f"cluster.node_rank={self.node_rank}: must be in [0, cluster.nodes={self.nodes})")
-        if self.num_processes != "auto" and not (self.num_processes.isdigit() and int(self.num_processes) > 0):
-            raise ConfigError(f"cluster.num_processes={self.num_processes}: must be a positive number or auto")
-        if self.main_process_port is not None and not 0 < self.main_process_port < 65536:
-            raise ConfigError(f"cluster.main_process_port={self.main_process_port}: must be a port number (1-65535)")
-        if self.gpu_memory_gb is not None:
-            positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
         self._check_script_strings()
 
     def _check_script_strings(self) -> None:
@@ -162,19 +187,13 @@ class ClusterConfig:
                     )
 
     @property
-    def processes_per_node(self) -> int:
-        assert self.num_processes != "auto", "launch resolves num_processes=auto first"
-        return int(self.num_processes)
-
-    @property
     def gpus(self) -> int:
         """GPUs asked for on each node (cluster=slurm, once resolved from the partition)."""
         assert self.gpus_per_node != "auto", "the SLURM backend resolves gpus_per_node=auto first"
         return int(self.gpus_per_node)
 
-    @property
-    def world_size(self) -> int:
-        return self.nodes * self.processes_per_node
+
+OPTIONS: dict[ClusterKind, type[ClusterConfig]] = {ClusterKind.local: LocalConfig, ClusterKind.slurm: SlurmConfig}
 
 
 _TIME_LIMIT = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
+from xtrain.config import cluster, strategy
 from xtrain.config.fields import setting
-from xtrain.config.cluster import ClusterConfig
+from xtrain.config.cluster import ClusterConfig, ClusterKind, LocalConfig, SlurmConfig  # noqa: F401 (re-exported)
 from xtrain.config.data import DataConfig, DataSource, ExampleFormat, TrainOn  # noqa: F401 (re-exported)
 from xtrain.config.lora import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
 from xtrain.config.model import ModelArch, ModelConfig, ModelSource  # noqa: F401 (re-exported)
 from xtrain.config.precision import Fp8Backend, Precision, PrecisionConfig  # noqa: F401 (re-exported)
-from xtrain.config.strategy import (FsdpSharding, Offload, StateDictType, Strategy,  # noqa: F401
-                                     StrategyConfig)
+from xtrain.config.strategy import (DdpConfig, FsdpConfig, FsdpSharding, Offload, StateDictType,  # noqa: F401
+                                     Strategy, StrategyConfig, ZeroConfig, strategy_config)
 from xtrain.config.task import (Direction, Export, TargetData, TargetModel, TaskConfig, TaskKind,  # noqa: F401
                                  given, monitor_direction, target_data, target_model)
 from xtrain.config.tracker import TrackerConfig, TrackerKind  # noqa: F401 (re-exported)
@@ -32,9 +34,9 @@ class RunConfig:
     model: Any = field(default_factory=ModelConfig)  # a ModelConfig, or a TargetModel (task=custom)
     data: Any = field(default_factory=DataConfig)  # a DataConfig, or a TargetData (task=custom)
     task: TaskConfig = field(default_factory=TaskConfig)
-    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    strategy: StrategyConfig = field(default_factory=DdpConfig)  # the strategy option's own schema
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: ClusterConfig = field(default_factory=LocalConfig)  # the cluster option's own schema
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
     run_dir: str = setting("runs/default", free=True)
@@ -60,7 +62,7 @@ class RunConfig:
                 "data=sft: the built-in model's tokenizer has no chat template and no pretrained knowledge to "
                 "fine-tune; use model=hf model.name_or_path=<a pretrained (chat) model>"
             )
-        offload = self.strategy.offload_optimizer
+        offload = self.strategy.offload_optimizer if isinstance(self.strategy, ZeroConfig) else Offload.none
         users = self.trainer.optimizer.get("_target_")
         if users and offload is not Offload.none:
             raise ConfigError(f"trainer.optimizer._target_={users}: with strategy.offload_optimizer={offload.value} "
@@ -76,7 +78,7 @@ class RunConfig:
             )
         s = self.strategy
         if (self.precision.name is Precision.fp8 and self.precision.fp8_backend is Fp8Backend.torchao
-                and s.name is Strategy.fsdp and s.cpu_ram_efficient_loading
+                and isinstance(s, FsdpConfig) and s.cpu_ram_efficient_loading
                 and getattr(self.model, "source", None) is not ModelSource.config):
             raise ConfigError(
                 "strategy.cpu_ram_efficient_loading=true: Accelerate does not load weights on rank 0 only with fp8 "
@@ -85,24 +87,72 @@ class RunConfig:
         if self.trainer.compile_tuning and not self.trainer.compile:
             raise ConfigError("trainer.compile_tuning=true: it tunes the kernels torch.compile generates; add "
                               "trainer.compile=true, or drop trainer.compile_tuning")
-        if self.trainer.compile and self.strategy.name is Strategy.fsdp and self.strategy.fsdp_version == 1:
+        if self.trainer.compile and isinstance(s, FsdpConfig) and s.fsdp_version == 1:
             raise ConfigError(
                 "trainer.compile=true: with strategy.fsdp_version=1 Accelerate compiles around FSDP1's wrappers "
                 "and renames every parameter; use strategy.fsdp_version=2 or trainer.compile=false"
             )
 
 
-def setting_names(schema=RunConfig, prefix: str = "") -> list[str]:
-    """Every dotted key a user can set, e.g. `trainer.batch_size`."""
-    names = []
+# The groups whose options carry schemas of their own: the setting that names the option, each option's schema
+OPTION_SCHEMAS = {"strategy": ("name", Strategy, strategy.OPTIONS), "cluster": ("kind", ClusterKind, cluster.OPTIONS)}
+
+
+def option_schema(group: str, node: Any):
+    """The schema of the option a group's settings (`node`, a mapping) name; the field's default's where none."""
+    key, kind, options = OPTION_SCHEMAS[group]
+    schema = _named_schema(group, node)
+    given = set(node) if isinstance(node, dict) else set()
+    if given - _fields(schema) and any(other is not schema and given >= _fields(other) for other in options.values()):
+        # (every setting of another option's schema: that option composed, and its name overridden)
+        chosen = node[key].value if isinstance(node[key], Enum) else node[key]
+        raise ConfigError(f"{group}.{key}={chosen}: set by the {group} option; use {group}={chosen}")
+    return schema
+
+
+def _named_schema(group: str, node: Any):
+    key, kind, options = OPTION_SCHEMAS[group]
+    chosen = (node or {}).get(key) if isinstance(node, dict) else None
+    if chosen is None:
+        return type(RunConfig.__dataclass_fields__[group].default_factory())
+    try:
+        return options[kind(chosen.value if isinstance(chosen, Enum) else chosen)]
+    except ValueError:
+        raise ConfigError(f"{group}.{key}={chosen}: must be one of {', '.join(k.value for k in kind)}") from None
+
+
+def _fields(schema) -> set[str]:
+    return {f.name for f in dataclasses.fields(schema)}
+
+
+def setting_index(schema=RunConfig, prefix: str = "") -> dict[str, str]:
+    """Every dotted key a user can set, e.g. `trainer.batch_size`, → the options it is a setting of, as
+    `strategy=zero1|zero2|zero3` (empty where it is every option's)."""
+    names: dict[str, str] = {}
     for f in dataclasses.fields(schema):
-        default = schema.__dataclass_fields__[f.name]
-        sub = default.default_factory() if default.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(sub):
-            names += setting_names(type(sub), f"{prefix}{f.name}.")
+        sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if schema is RunConfig and f.name in OPTION_SCHEMAS:
+            names.update(_option_settings(f.name))
+        elif dataclasses.is_dataclass(sub):
+            names.update(setting_index(type(sub), f"{prefix}{f.name}."))
         else:
-            names.append(f"{prefix}{f.name}")
+            names[f"{prefix}{f.name}"] = ""
     return names
+
+
+def _option_settings(group: str) -> dict[str, str]:
+    options = OPTION_SCHEMAS[group][2]
+    owners: dict[str, list[str]] = {}
+    for option, option_schema_ in options.items():
+        for f in dataclasses.fields(option_schema_):
+            owners.setdefault(f.name, []).append(option.value)
+    return {f"{group}.{name}": "" if len(who) == len(options) else f"{group}={'|'.join(who)}"
+            for name, who in owners.items()}
+
+
+def setting_names(schema=RunConfig) -> list[str]:
+    """Every dotted key a user can set, e.g. `trainer.batch_size` (a group's options' together)."""
+    return list(setting_index(schema))
 
 
 def to_container(cfg: RunConfig) -> dict:
@@ -140,8 +190,11 @@ def from_container(container: Any) -> RunConfig:
         container = plain
     for name in unknown_keys(plain, RunConfig):
         setting, value = override_of(name)
-        raise ConfigError(unknown_setting(setting, value, setting_names()))
-    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), container)
+        raise ConfigError(unknown_setting(setting, value, setting_index()))
+    root = OmegaConf.structured(RunConfig)
+    for group in OPTION_SCHEMAS:
+        root[group] = OmegaConf.structured(option_schema(group, plain.get(group)))
+    merged = OmegaConf.merge(root, container)
     cfg = OmegaConf.to_object(merged)
     if model or data:
         cfg = dataclasses.replace(cfg, model=model or cfg.model, data=data or cfg.data)
@@ -205,12 +258,26 @@ def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:
             continue
         factory = fields[key].default_factory
         sub = factory() if factory is not dataclasses.MISSING else None
+        if schema is RunConfig and key in OPTION_SCHEMAS:
+            sub = option_schema(key, value)()
         if dataclasses.is_dataclass(sub) and isinstance(value, dict):
             found += unknown_keys(value, type(sub), f"{prefix}{key}.")
     return found
 
 
+def upgraded(record: dict) -> dict:
+    """A run.yaml (or a checkpoint's config) written when each group's settings were one flat list: without the
+    settings of the options it did not choose (it held them at their defaults: any other value was refused)."""
+    out = dict(record)
+    for group in OPTION_SCHEMAS:
+        if isinstance(record.get(group), dict):
+            own = _fields(_named_schema(group, record[group]))
+            out[group] = {k: v for k, v in record[group].items() if k in own}
+    return out
+
+
 def load(path: str) -> RunConfig:
+    """A run dir's run.yaml."""
     from omegaconf import OmegaConf
 
-    return from_container(OmegaConf.load(path))
+    return from_container(upgraded(OmegaConf.to_container(OmegaConf.load(path))))

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Optional
 
-from xtrain.config.fields import all_free, not_read_by, setting
-from xtrain.core.errors import ConfigError, changed_settings
+from xtrain.config.fields import all_free
+from xtrain.core.errors import ConfigError
 
 
 class Strategy(Enum):
@@ -39,34 +39,10 @@ class StateDictType(Enum):
 @all_free  # (where it runs: reshard.py moves the checkpoint; the effective batch is kept)
 @dataclass
 class StrategyConfig:
+    """What every strategy reads: its name and the device mesh. Each option of the `strategy` group extends it with
+    its own settings (`DdpConfig`, `ZeroConfig`, `FsdpConfig`): another option's setting is no such setting."""
     name: Strategy = Strategy.ddp
     """The distributed strategy; each option of the `strategy` group sets it."""
-    # ZeRO (DeepSpeed) ------------------------------------------------------------------
-    offload_optimizer: Offload = Offload.none
-    """zero1/2/3: where optimizer states live (`cpu`, `nvme`)."""
-    offload_param: Offload = Offload.none
-    """zero3 only: where parameters live between uses."""
-    nvme_path: Optional[str] = None
-    """Directory for `nvme` offload."""
-    deepspeed_config: Optional[str] = None
-    """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
-    # FSDP --------------------------------------------------------------------------------
-    fsdp_version: int = setting(2, only=("fsdp",))
-    """FSDP's implementation: 2 (`fully_shard`, the default) or 1 (FSDP1)."""
-    sharding: FsdpSharding = setting(FsdpSharding.full_shard, only=("fsdp",))
-    """FSDP1's sharding strategy (FSDP2 shards fully; see `reshard_after_forward`)."""
-    cpu_offload: bool = setting(False, only=("fsdp",))
-    """Parameters (and their gradients, optimizer states) on the CPU between uses."""
-    wrap_layer: Optional[str] = setting(None, only=("fsdp",))
-    """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
-    activation_checkpointing: bool = setting(False, only=("fsdp",))
-    """Recompute each wrapped block's activations in backward instead of keeping them."""
-    state_dict_type: StateDictType = setting(StateDictType.sharded, only=("fsdp",))
-    """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
-    reshard_after_forward: bool = setting(True, only=("fsdp",))
-    """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
-    cpu_ram_efficient_loading: bool = setting(True, only=("fsdp",))
-    """Pretrained weights are loaded on rank 0 only and broadcast."""
     # The device mesh (FSDP2): dp_replicate x dp_shard x tp, dp_shard being what the world leaves -----------------
     dp_replicate: Any = 1
     """FSDP2: replicas of the sharded model (HSDP: shard within a replica, all-reduce across them); `auto`: one per
@@ -76,36 +52,13 @@ class StrategyConfig:
     cp: int = 1
     """Context parallelism: not supported (1)."""
 
+    NAMES = ()  # the strategies this schema is the settings of
+
     def __post_init__(self) -> None:
-        zero = self.name in (Strategy.zero1, Strategy.zero2, Strategy.zero3)
-        if not zero:
-            for key in ("offload_optimizer", "offload_param"):
-                if getattr(self, key) is not Offload.none:
-                    raise ConfigError(
-                        f"strategy.{key}={getattr(self, key).value}: only for strategy=zero1|zero2|zero3"
-                        + ("; with fsdp use strategy.cpu_offload=true" if self.name is Strategy.fsdp else "")
-                    )
-            if self.deepspeed_config:
-                raise ConfigError(
-                    f"strategy.deepspeed_config={self.deepspeed_config}: only for strategy=zero1|zero2|zero3"
-                )
-        if self.offload_param is not Offload.none and self.name is not Strategy.zero3:
-            raise ConfigError(f"strategy.offload_param={self.offload_param.value}: needs strategy=zero3")
-        if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
-            raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
-        for asked in changed_settings(self, "strategy", not_read_by(self, self.name.value)):
-            raise ConfigError(f"{asked}: only for strategy=fsdp")
-        if self.nvme_path and Offload.nvme not in (self.offload_optimizer, self.offload_param):
-            raise ConfigError(f"strategy.nvme_path={self.nvme_path}: only for nvme offload (strategy.offload_optimizer="
-                              "nvme or strategy.offload_param=nvme)")
+        if self.name not in self.NAMES:
+            raise ConfigError(f"strategy.name={self.name.value}: set by the strategy option; use "
+                              f"strategy={self.name.value}")
         self._check_mesh()
-        if self.fsdp_version not in (1, 2):
-            raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")
-        if self.name is Strategy.fsdp and self.fsdp_version == 2 and self.sharding is not FsdpSharding.full_shard:
-            raise ConfigError(
-                f"strategy.sharding={self.sharding.value}: FSDP2 shards fully (use strategy.reshard_after_forward=false "
-                "for shard_grad_op behaviour); other sharding strategies need strategy.fsdp_version=1"
-            )
 
     def _check_mesh(self) -> None:
         if self.cp != 1:
@@ -119,13 +72,87 @@ class StrategyConfig:
             raise ConfigError(f"strategy.tp={self.tp}: must be a whole number >= 1")
         for key in ("dp_replicate", "tp"):
             value = getattr(self, key)
-            if value == 1:
-                continue
-            if self.name is not Strategy.fsdp:
+            if value != 1 and not isinstance(self, FsdpConfig):
                 what = "tensor parallelism" if key == "tp" else "replicas of a sharded model (HSDP)"
                 raise ConfigError(
                     f"strategy.{key}={value}: {what} needs strategy=fsdp (FSDP2); {self.name.value} cannot compose "
                     f"with it here; use strategy=fsdp strategy.{key}={value}"
                 )
-            if self.fsdp_version != 2:
-                raise ConfigError(f"strategy.{key}={value}: needs FSDP2; use strategy.fsdp_version=2")
+
+
+@dataclass
+class DdpConfig(StrategyConfig):
+    """strategy=ddp: every process holds the whole model."""
+    NAMES = (Strategy.ddp,)
+
+
+@dataclass
+class ZeroConfig(StrategyConfig):
+    """strategy=zero1|zero2|zero3: DeepSpeed ZeRO's partitions and offload."""
+    name: Strategy = Strategy.zero3
+    offload_optimizer: Offload = Offload.none
+    """Where optimizer states live (`cpu`, `nvme`)."""
+    offload_param: Offload = Offload.none
+    """zero3 only: where parameters live between uses."""
+    nvme_path: Optional[str] = None
+    """Directory for `nvme` offload."""
+    deepspeed_config: Optional[str] = None
+    """Your own DeepSpeed JSON, merged under the typed settings (a conflict is an error)."""
+
+    NAMES = (Strategy.zero1, Strategy.zero2, Strategy.zero3)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.offload_param is not Offload.none and self.name is not Strategy.zero3:
+            raise ConfigError(f"strategy.offload_param={self.offload_param.value}: needs strategy=zero3")
+        if Offload.nvme in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
+            raise ConfigError("strategy.nvme_path is empty: nvme offload needs a directory, e.g. strategy.nvme_path=/local_nvme")
+        if self.nvme_path and Offload.nvme not in (self.offload_optimizer, self.offload_param):
+            raise ConfigError(f"strategy.nvme_path={self.nvme_path}: only for nvme offload (strategy.offload_optimizer="
+                              "nvme or strategy.offload_param=nvme)")
+
+
+@dataclass
+class FsdpConfig(StrategyConfig):
+    """strategy=fsdp: PyTorch FSDP (FSDP2's `fully_shard` by default) and its device mesh."""
+    name: Strategy = Strategy.fsdp
+    fsdp_version: int = 2
+    """FSDP's implementation: 2 (`fully_shard`, the default) or 1 (FSDP1)."""
+    sharding: FsdpSharding = FsdpSharding.full_shard
+    """FSDP1's sharding strategy (FSDP2 shards fully; see `reshard_after_forward`)."""
+    cpu_offload: bool = False
+    """Parameters (and their gradients, optimizer states) on the CPU between uses."""
+    wrap_layer: Optional[str] = None
+    """Transformer block class to wrap, e.g. LlamaDecoderLayer (default: from the model's _no_split_modules)."""
+    activation_checkpointing: bool = False
+    """Recompute each wrapped block's activations in backward instead of keeping them."""
+    state_dict_type: StateDictType = StateDictType.sharded
+    """How checkpoints are written: `sharded` (one file per rank, fast) or `full` (gathered on rank 0)."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after forward (False: keep them for backward, like shard_grad_op)."""
+    cpu_ram_efficient_loading: bool = True
+    """Pretrained weights are loaded on rank 0 only and broadcast."""
+
+    NAMES = (Strategy.fsdp,)
+
+    def __post_init__(self) -> None:
+        if self.fsdp_version not in (1, 2):
+            raise ConfigError(f"strategy.fsdp_version={self.fsdp_version}: must be 1 or 2")
+        super().__post_init__()
+        for key in ("dp_replicate", "tp"):
+            if getattr(self, key) != 1 and self.fsdp_version != 2:
+                raise ConfigError(f"strategy.{key}={getattr(self, key)}: needs FSDP2; use strategy.fsdp_version=2")
+        if self.fsdp_version == 2 and self.sharding is not FsdpSharding.full_shard:
+            raise ConfigError(
+                f"strategy.sharding={self.sharding.value}: FSDP2 shards fully (use strategy.reshard_after_forward=false "
+                "for shard_grad_op behaviour); other sharding strategies need strategy.fsdp_version=1"
+            )
+
+
+OPTIONS: dict[Strategy, type[StrategyConfig]] = {name: schema for schema in (DdpConfig, ZeroConfig, FsdpConfig)
+                                                 for name in schema.NAMES}
+
+
+def strategy_config(name: Strategy, **settings) -> StrategyConfig:
+    """The settings of strategy `name` (its option's schema)."""
+    return OPTIONS[name](name=name, **settings)

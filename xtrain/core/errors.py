@@ -142,9 +142,16 @@ BY_TARGET = ("model._target_", "data.train._target_", "data.val._target_", "data
 EPOCHS = ("max_epochs", "epochs", "num_epochs", "num_train_epochs", "n_epochs", "min_epochs")  # Lightning's, HF's
 
 
-def unknown_setting(name: str, value: str | None, settings: list[str]) -> str:
-    """The one line for a setting that does not exist, with the one that most likely was meant."""
+def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> str:
+    """The one line for a setting that does not exist, with the one that most likely was meant. `settings`: every
+    dotted setting → the options of its group it belongs to (`strategy=fsdp`; empty: every option's)."""
     given = f"{name}{'' if value is None else '=' + value}"
+    parts = name.split(".")
+    owner = next((settings[key] for key in (".".join(parts[:n]) for n in range(len(parts), 1, -1))
+                  if settings.get(key)), None)
+    if owner:  # a setting of another option of its group
+        use = f"add {owner}" if "|" not in owner else "use one of those"
+        return f"{given}: no such setting with this {parts[0]}: it is a setting of {owner}; {use}, or drop it"
     if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
         return f"{given}: a model and datasets by _target_ are trained by task=custom; add task=custom"
     if name.split(".")[-1] in EPOCHS:
@@ -164,9 +171,9 @@ def override_of(key: str) -> tuple[str, str | None]:
     return key, None
 
 
-def explain(err: Exception, settings: list[str]) -> str:
+def explain(err: Exception, settings: dict[str, str]) -> str:
     """One line for a Hydra / OmegaConf composition error: the setting, the bad value, what would work.
-    `settings`: every dotted key a user can set (for the one a typo meant)."""
+    `settings`: every dotted key a user can set (for the one a typo meant), as `unknown_setting` takes them."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue
 
     cause = err.__cause__ or err

@@ -41,7 +41,11 @@ def newest(run_dir: str | Path) -> Path | None:
 
 
 def read_state(path: str | Path) -> dict:
-    return json.loads((Path(path) / CHECKPOINT_STATE).read_text())
+    """A checkpoint's state: its step, counters and the config it trained with (as this version's schema has it)."""
+    state = json.loads((Path(path) / CHECKPOINT_STATE).read_text())
+    if isinstance(state.get("config"), dict):
+        state["config"] = schema.upgraded(state["config"])
+    return state
 
 
 PIECE = 16 << 20  # a file is hashed in pieces of this size, in parallel: its digest is the SHA-256 of theirs

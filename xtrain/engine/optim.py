@@ -10,9 +10,10 @@ import math
 
 import torch
 
-from xtrain.config.schema import Offload, RunConfig, TrainerConfig
+from xtrain.config.schema import RunConfig, TrainerConfig
 from xtrain.config.task import given
 from xtrain.core import seams
+from xtrain.parallel import strategies
 from xtrain.tasks.targets import call, importable, resolve, takes
 
 log = logging.getLogger("xtrain")
@@ -33,7 +34,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
     if node is not None:
         return users_optimizer(node, groups, params, cfg.trainer)
     hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
-    if cfg.strategy.offload_optimizer is not Offload.none and not seams.first("runs_on_cpu", "zero", cfg):
+    if strategies.of(cfg).optimizer_on_host(cfg) and not seams.first("runs_on_cpu", "zero", cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **hyper)

@@ -98,7 +98,7 @@ def hyperparameters(cfg: RunConfig) -> dict:
     strings (setup lines, srun and sbatch arguments) stay on this machine: they may name credentials' paths."""
     tree = to_container(cfg)
     for name in SHELL_STRINGS:
-        del tree["cluster"][name]
+        tree["cluster"].pop(name, None)  # (a SLURM job's alone)
     return _flat(tree)
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 from dataclasses import dataclass
 
-from xtrain.config.schema import DataConfig, ModelConfig, Offload, RunConfig, TargetModel, TaskKind
+from xtrain.config.schema import DataConfig, ModelConfig, RunConfig, TargetModel, TaskKind
 from xtrain.config.task import block_tokens, given
 from xtrain.core import machine
 from xtrain.core.memory import size
@@ -143,7 +143,7 @@ def render(plan: Plan) -> str:
     if m.activations is None:
         lines.append("               activations: not estimated for this model (not included)")
     else:
-        recompute = "recomputed per layer (activation checkpointing)" if cfg.strategy.activation_checkpointing else \
+        recompute = "recomputed per layer (activation checkpointing)" if strategies.of(cfg).recomputes_activations(cfg) else \
             "kept (no activation checkpointing)"
         lines.append(f"               + activations {size(m.activations)} (estimated: micro-batch {t.batch_size} x "
                      f"{cfg.data.block_size} tokens, {recompute}) = {size(m.total)}")
@@ -225,7 +225,7 @@ def optimizer(cfg: RunConfig) -> str:
     """`AdamW (fused)`, `AdamW (foreach)`, `DeepSpeedCPUAdam`, or the user's `_target_`."""
     if given(cfg.trainer.optimizer):
         return cfg.trainer.optimizer["_target_"]
-    if cfg.strategy.offload_optimizer is not Offload.none:
+    if strategies.of(cfg).optimizer_on_host(cfg):
         return "DeepSpeedCPUAdam (on the host)"
     return f"AdamW ({'fused' if cfg.trainer.fused_optimizer is True else 'foreach'})"
 

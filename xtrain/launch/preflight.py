@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import time
 import uuid
@@ -20,9 +19,9 @@ import yaml
 
 from xtrain.config import schema
 from xtrain.config.cluster import ClusterConfig, ClusterKind
-from xtrain.config.schema import Offload, RunConfig
+from xtrain.config.schema import RunConfig
 from xtrain.config.task import check_monitor
-from xtrain.core import machine, rundir, runlock
+from xtrain.core import rundir, runlock
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
 from xtrain.parallel import fp8, plugins, strategies, zero
@@ -52,16 +51,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         raise ConfigError(
             f"cluster.num_processes={c.num_processes}: {where}; use cluster.num_processes<={gpus} (or auto)"
         )
-    nvme = cfg.strategy.nvme_path
-    nvme_offloads = [f"strategy.{name}=nvme" for name in ("offload_optimizer", "offload_param")
-                     if getattr(cfg.strategy, name) is Offload.nvme]
-    if nvme_offloads and not os.path.isdir(nvme):
-        raise ConfigError(f"strategy.nvme_path={nvme}: no such directory")
-    if nvme_offloads and not machine.async_io_available():
-        raise ConfigError(
-            f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
-            "install them (apt-get install libaio-dev) or offload to cpu instead"
-        )
+    strategies.of(cfg).check_machine(cfg)
     task = task_for(cfg)
     arrays = task.check()  # (the metrics first: the monitor names one of what they compute)
     check_monitor(cfg.trainer, cfg.task, task.directions(), arrays)

@@ -73,6 +73,9 @@ class Parallelism:
         """Why this machine cannot run the strategy (`cuda`: the nodes that train have CUDA GPUs), or None."""
         return None
 
+    def check_machine(self, cfg: RunConfig) -> None:
+        """A ConfigError where this machine lacks what the strategy's settings need (beyond its GPUs)."""
+
     def check(self, cfg: RunConfig, facts: ModelFacts) -> None:
         """What this config cannot be for this model, one ConfigError, before anything starts."""
 
@@ -106,6 +109,14 @@ class Parallelism:
 
     def steps_fused(self, cfg: RunConfig) -> bool:
         """xtrain's AdamW steps on the GPU (so `trainer.fused_optimizer=auto` fuses it)."""
+        return False
+
+    def optimizer_on_host(self, cfg: RunConfig) -> bool:
+        """The optimizer steps on the host (its states offloaded there), not where the model trains."""
+        return False
+
+    def recomputes_activations(self, cfg: RunConfig) -> bool:
+        """Each block's activations are recomputed in backward (activation checkpointing)."""
         return False
 
     def builds_on_meta(self, cfg: RunConfig) -> bool:

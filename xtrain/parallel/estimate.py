@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xtrain.config.schema import Offload, Precision, RunConfig, Strategy, TaskKind
+from xtrain.config.schema import Offload, Precision, RunConfig, Strategy, TaskKind, strategy_config
 from xtrain.parallel import dims, strategies
 from xtrain.parallel.base import ADAM_STATE, bytes_per_param  # noqa: F401 (estimate.bytes_per_param: the figures' source)
 
@@ -72,7 +72,6 @@ def activation_memory(cfg: RunConfig, facts) -> float | None:
     gradients of activations), temporary buffers, the allocator's slack, the gathered weights of the layer in use."""
     if cfg.task.name is not TaskKind.causal_lm or not facts.layers or not facts.intermediate or not facts.vocab:
         return None
-    s = cfg.strategy
     tp = dims.of(cfg).tp
     h, i, heads = facts.hidden_size, facts.intermediate, facts.heads or 1
     h_kv = h * (facts.kv_heads or heads) / heads
@@ -80,7 +79,7 @@ def activation_memory(cfg: RunConfig, facts) -> float | None:
     width = 4 if fp32 else 2
     norms = 6 * h * 4 if fp32 else 4 * h * 4 + 5 * h * 2
     layer = norms + ((3 * h + 2 * h_kv) / tp + 4 * i / tp) * width
-    layers = h * 4 * facts.layers + layer if s.activation_checkpointing else layer * facts.layers
+    layers = h * 4 * facts.layers + layer if strategies.of(cfg).recomputes_activations(cfg) else layer * facts.layers
     final = 3 * h * 4 if fp32 else 2 * h * 4 + h * 2
     per_token = layers + final + facts.vocab * 4
     return per_token * cfg.trainer.batch_size * cfg.data.block_size
@@ -104,11 +103,11 @@ def _strategies(cfg: RunConfig) -> list:
     s = cfg.strategy
     if s.name is Strategy.fsdp:
         return [s]
-    options = [replace(s, name=name, offload_optimizer=opt, offload_param=param, nvme_path=None,
-                       deepspeed_config=s.deepspeed_config if name is not Strategy.ddp else None)
+    users = vars(s).get("deepspeed_config")
+    options = [strategy_config(name) if name is Strategy.ddp else
+               strategy_config(name, offload_optimizer=opt, offload_param=param, deepspeed_config=users)
                for name, opt, param in _OFFLOADS]
-    options.append(replace(s, name=Strategy.fsdp, offload_optimizer=Offload.none, offload_param=Offload.none,
-                           nvme_path=None, deepspeed_config=None))
+    options.append(strategy_config(Strategy.fsdp))
     return [s] + [o for o in options if o != s]
 
 
@@ -129,16 +128,16 @@ def _tp_options(cfg: RunConfig, strategy, facts) -> list[int]:
 
 def _changed(cfg: RunConfig, candidate: RunConfig) -> list[str]:
     """The overrides that turn `cfg` into `candidate`."""
-    a, b = cfg.strategy, candidate.strategy
+    a, b = vars(cfg.strategy), vars(candidate.strategy)  # (each strategy's own settings)
+    offloads = ("offload_optimizer", "offload_param")
     out = []
-    if (a.name, a.offload_optimizer, a.offload_param) != (b.name, b.offload_optimizer, b.offload_param):
-        out.append(f"strategy={b.name.value}")
-        out += [f"strategy.{key}={getattr(b, key).value}" for key in ("offload_optimizer", "offload_param")
-                if getattr(b, key) is not Offload.none]
-    if b.activation_checkpointing != a.activation_checkpointing:
+    if [a["name"], *(a.get(k, Offload.none) for k in offloads)] != [b["name"], *(b.get(k, Offload.none) for k in offloads)]:
+        out.append(f"strategy={b['name'].value}")
+        out += [f"strategy.{key}={b[key].value}" for key in offloads if b.get(key, Offload.none) is not Offload.none]
+    if b.get("activation_checkpointing", False) != a.get("activation_checkpointing", False):
         out.append("strategy.activation_checkpointing=true")
-    if b.tp != a.tp:
-        out.append(f"strategy.tp={b.tp}")
+    if b["tp"] != a["tp"]:
+        out.append(f"strategy.tp={b['tp']}")
     if candidate.trainer.batch_size != cfg.trainer.batch_size:
         out.append(f"trainer.batch_size={candidate.trainer.batch_size} trainer.grad_accum={candidate.trainer.grad_accum}")
     return out
@@ -154,12 +153,13 @@ def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float, own_
     found = []
     for strategy in [cfg.strategy] if own_strategy_only else _strategies(cfg):
         fsdp = strategy.name is Strategy.fsdp
-        for checkpointing in ([strategy.activation_checkpointing, True] if fsdp else [False]):
+        for checkpointing in ([strategy.activation_checkpointing, True] if fsdp else [None]):
             for tp in _tp_options(cfg, strategy, facts):
                 batch = cfg.trainer.batch_size
                 while batch >= 1:
                     accum = cfg.trainer.grad_accum * cfg.trainer.batch_size // batch
-                    candidate = replace(cfg, strategy=replace(strategy, activation_checkpointing=checkpointing, tp=tp),
+                    moved = replace(strategy, activation_checkpointing=checkpointing, tp=tp) if fsdp else strategy
+                    candidate = replace(cfg, strategy=moved,
                                         trainer=replace(cfg.trainer, batch_size=batch, grad_accum=accum))
                     memory = device_memory(n_params, candidate, facts, optimizer_state)
                     if memory.total <= device_bytes:

@@ -30,6 +30,9 @@ class Fsdp(Parallelism):
     shards_fp8_weights = True
     settings_title = "fsdp plugin"
 
+    def recomputes_activations(self, cfg: RunConfig) -> bool:
+        return cfg.strategy.activation_checkpointing
+
     def refusal(self, cfg: RunConfig, cuda: bool) -> str | None:
         if cuda or seams.first("runs_on_cpu", "fsdp", cfg):
             return None

@@ -42,16 +42,19 @@ def fp8_recipe(cfg: RunConfig) -> dict:
     return dict(opt_level="O2")
 
 
+# Accelerate's recipe class for each FP8 backend (`accelerate.utils`; MS-AMP's only before Accelerate 1.16).
+FP8_RECIPES = {Fp8Backend.te: "TERecipeKwargs", Fp8Backend.torchao: "AORecipeKwargs", Fp8Backend.msamp: "MSAMPRecipeKwargs"}
+
+
 def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts) -> dict:
     """Keyword arguments for `Accelerator(...)` that carry the strategy and precision."""
     kwargs: dict = {"mixed_precision": MIXED_PRECISION[cfg.precision.name]}
     if dynamo_plugin(cfg):
         kwargs["dynamo_plugin"] = dynamo_plugin(cfg)
     if cfg.precision.name is Precision.fp8:
-        from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+        import accelerate.utils
 
-        recipe = {Fp8Backend.te: TERecipeKwargs, Fp8Backend.torchao: AORecipeKwargs,
-                  Fp8Backend.msamp: MSAMPRecipeKwargs}[cfg.precision.fp8_backend]
+        recipe = getattr(accelerate.utils, FP8_RECIPES[cfg.precision.fp8_backend])
         kwargs["kwargs_handlers"] = [recipe(**fp8_recipe(cfg))]
     return {**kwargs, **strategies.of(cfg).plugin(cfg, facts)}
 

@@ -10,7 +10,7 @@ import os
 
 from xtrain.config.schema import Offload, Precision, RunConfig, Strategy
 from xtrain.config.strategy import StrategyConfig
-from xtrain.core import seams
+from xtrain.core import machine, seams
 from xtrain.core.errors import ConfigError
 from xtrain.parallel import dims
 from xtrain.parallel.base import DEEPSPEED_FORM, Parallelism, bytes_per_param
@@ -36,6 +36,21 @@ class Zero(Parallelism):
                 "(Accelerate would fail inside DeepSpeed); use strategy=ddp here, or run on GPU machines "
                 "(dry_run=true shows the plan anywhere)")
 
+    def check_machine(self, cfg: RunConfig) -> None:
+        s = cfg.strategy
+        nvme_offloads = [f"strategy.{name}=nvme" for name in ("offload_optimizer", "offload_param")
+                         if getattr(s, name) is Offload.nvme]
+        if nvme_offloads and not os.path.isdir(s.nvme_path):
+            raise ConfigError(f"strategy.nvme_path={s.nvme_path}: no such directory")
+        if nvme_offloads and not machine.async_io_available():
+            raise ConfigError(
+                f"{nvme_offloads[0]}: DeepSpeed's async_io op cannot be built here (libaio headers missing); "
+                "install them (apt-get install libaio-dev) or offload to cpu instead"
+            )
+
+    def optimizer_on_host(self, cfg: RunConfig) -> bool:
+        return cfg.strategy.offload_optimizer is not Offload.none
+
     def settings(self, cfg: RunConfig, facts) -> dict:
         return deepspeed_config(cfg, facts, load_user_config(cfg.strategy))
 
@@ -58,8 +73,8 @@ class Zero(Parallelism):
             zero3_save_16bit_model=zero["stage"] == 3,
             is_train_batch_min=True,
             transformer_moe_cls_names=None,
-            enable_msamp=cfg.precision.name is Precision.fp8 and cfg.precision.fp8_backend.value == "msamp",
-            msamp_opt_level="O1",
+            # (MS-AMP's fields only where asked for: Accelerate 1.16 has none)
+            **({"enable_msamp": True, "msamp_opt_level": "O1"} if _msamp(cfg) else {}),
         )}
 
     def launch_files(self, cfg: RunConfig, facts) -> dict[str, str]:
@@ -81,6 +96,10 @@ class Zero(Parallelism):
 
     def checkpoint_form(self, cfg: RunConfig) -> str:
         return DEEPSPEED_FORM
+
+
+def _msamp(cfg: RunConfig) -> bool:
+    return cfg.precision.name is Precision.fp8 and cfg.precision.fp8_backend.value == "msamp"
 
 
 def _offload(device: Offload, nvme_path: str | None, **extra) -> dict:

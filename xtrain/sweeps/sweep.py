@@ -72,7 +72,7 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
     except ConfigError as err:
         raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
     except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
-        raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, schema.setting_names())}") from None
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, schema.setting_index())}") from None
     try:
         check_swept_lr(swept, cfg)
     except ConfigError as err:

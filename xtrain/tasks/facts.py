@@ -21,7 +21,7 @@ def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
     """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
     Kept per model for the process (a sweep's points mostly share theirs) and, for a language model built from
     config, in the data cache: a launch reads them there without importing the model's code (2 s)."""
-    key = repr((cfg.task.name, cfg.model, cfg.data, cfg.strategy.name, cfg.strategy.wrap_layer, cfg.precision))
+    key = repr((cfg.task.name, cfg.model, cfg.data, cfg.strategy.name, vars(cfg.strategy).get("wrap_layer"), cfg.precision))
     if key not in _FACTS:
         stored = _stored(cfg, key)
         _FACTS[key] = _read(stored) if stored is not None and stored.exists() else _model_facts(cfg)
