@@ -130,7 +130,7 @@ def test_help_lists_every_option_with_what_it_is_and_the_companion_commands():
     from xtrain.commands import help
 
     out = subprocess.run([sys.executable, "-m", "xtrain", "--help"], capture_output=True, text=True, check=True).stdout
-    for group in cli.GROUP_SCHEMAS:
+    for group in cli.CONFIG_GROUPS:
         assert f"{group}:" in out
         for option, about in help.options(group).items():
             assert about and re.search(rf"^ +{option} +{re.escape(about)}$", out, re.M), (group, option)

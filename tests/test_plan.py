@@ -276,7 +276,7 @@ def test_a_slurm_job_on_cpus_plans_against_its_nodes_memory_shared_by_their_proc
     that does not fit is refused before it is queued."""
     from dataclasses import replace
 
-    from xtrain.config.cluster import ClusterKind
+    from xtrain.config.cluster import ClusterKind, SlurmConfig
     from xtrain.launch import plan
 
     job = ["cluster=slurm", "cluster.gpus_per_node=0", "dry_run=true"]
@@ -295,8 +295,8 @@ def test_a_slurm_job_on_cpus_plans_against_its_nodes_memory_shared_by_their_proc
     here = compose_run(*BIG)
     refused = []
     for mem_gb in (60, 1000, None):
-        submitted = replace(here, cluster=replace(here.cluster, kind=ClusterKind.slurm, gpus_per_node="0",
-                                                  mem_gb=mem_gb))
+        submitted = replace(here, cluster=SlurmConfig(**{**vars(here.cluster), "kind": ClusterKind.slurm},
+                                                      gpus_per_node="0", mem_gb=mem_gb))
         try:
             plan.check_memory(submitted)
         except ConfigError as err:

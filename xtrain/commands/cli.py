@@ -36,6 +36,7 @@ GROUP_SCHEMAS = {
     "tracker": schema.TrackerConfig,
     "task": schema.TaskConfig,
 }
+CONFIG_GROUPS = (*GROUP_SCHEMAS, *schema.OPTION_SCHEMAS)  # every group of the run config (their options: conf/)
 
 
 def register_schemas() -> None:

@@ -22,6 +22,10 @@ class Fp8Backend(Enum):
     msamp = "msamp"
 
 
+# Accelerate's recipe class of each backend (in `accelerate.utils`; MS-AMP's only before Accelerate 1.16)
+FP8_RECIPES = {Fp8Backend.te: "TERecipeKwargs", Fp8Backend.torchao: "AORecipeKwargs", Fp8Backend.msamp: "MSAMPRecipeKwargs"}
+
+
 class Fp8Recipe(Enum):
     tensorwise = "tensorwise"  # one scale per tensor (torchao's default; fp8 all-gather under FSDP)
     rowwise = "rowwise"  # one scale per row: more accurate, more scaling work

@@ -15,12 +15,13 @@ import socket
 from dataclasses import replace
 
 from xtrain.config.cluster import ClusterConfig, ClusterKind
+from xtrain.config.precision import FP8_RECIPES
 from xtrain.config.schema import BaseQuantization, Fp8Backend, Precision, RunConfig
 from xtrain.config.task import given
 from xtrain.core import machine
 from xtrain.core.errors import ConfigError
 from xtrain.core import seams
-from xtrain.parallel import plugins, strategies
+from xtrain.parallel import strategies
 
 FP8_PACKAGES = {
     Fp8Backend.te: ("transformer_engine", "pip install transformer-engine[pytorch]"),
@@ -103,7 +104,7 @@ def refusal(cfg: RunConfig) -> str | None:
                 f"precision=fp8: {oldest.name} (compute capability {oldest.capability[0]}.{oldest.capability[1]}) "
                 "has no FP8 units (needs >= 8.9, e.g. H100, L4); use precision=bf16"
             )
-        if not hasattr(importlib.import_module("accelerate.utils"), plugins.FP8_RECIPES[cfg.precision.fp8_backend]):
+        if not hasattr(importlib.import_module("accelerate.utils"), FP8_RECIPES[cfg.precision.fp8_backend]):
             return (f"precision.fp8_backend={cfg.precision.fp8_backend.value}: this Accelerate "
                     f"({importlib.metadata.version('accelerate')}) has no such backend (MS-AMP's ended with 1.15); "
                     "use precision.fp8_backend=te or torchao")

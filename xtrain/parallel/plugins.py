@@ -8,6 +8,7 @@ config file.
 
 from __future__ import annotations
 
+from xtrain.config.precision import FP8_RECIPES
 from xtrain.config.schema import Fp8Backend, Precision, RunConfig
 from xtrain.parallel import fp8, strategies
 from xtrain.parallel.base import ModelFacts
@@ -40,10 +41,6 @@ def fp8_recipe(cfg: RunConfig) -> dict:
                     module_filter_func=fp8.converted_already, pad_inner_dim=None,
                     enable_fsdp_float8_all_gather=None)
     return dict(opt_level="O2")
-
-
-# Accelerate's recipe class for each FP8 backend (`accelerate.utils`; MS-AMP's only before Accelerate 1.16).
-FP8_RECIPES = {Fp8Backend.te: "TERecipeKwargs", Fp8Backend.torchao: "AORecipeKwargs", Fp8Backend.msamp: "MSAMPRecipeKwargs"}
 
 
 def accelerator_kwargs(cfg: RunConfig, facts: ModelFacts) -> dict:

@@ -37,7 +37,7 @@ class OptunaSweeper(Sweeper):
         from xtrain.engine import study_settings
         from xtrain.sweeps import search_space, study
         from xtrain.config.schema import setting_names
-        from xtrain.commands.cli import GROUP_SCHEMAS
+        from xtrain.commands.cli import CONFIG_GROUPS
         from xtrain.core.errors import ConfigError
 
         if not getattr(self.launcher, "runs_xtrain", False):
@@ -51,7 +51,7 @@ class OptunaSweeper(Sweeper):
         params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params or {})
         composed = OmegaConf.to_container(self.config, resolve=False)
         composed.pop("hydra", None)
-        known = {*setting_names(), *GROUP_SCHEMAS, "experiment", *flat(composed)}  # a model's own arguments too
+        known = {*setting_names(), *CONFIG_GROUPS, "experiment", *flat(composed)}  # a model's own arguments too
         space = search_space.parse([f"{k}={v}" for k, v in flat(params).items()] + list(arguments), known)
         if not space.distributions:
             raise ConfigError("hydra.sweeper.params: no search space; give at least one setting to sample, e.g. "
