@@ -25,6 +25,34 @@ def test_update_result_merges_replaces_and_guards(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]  # no temp or lock file left
 
 
+def test_the_loops_typed_record_writes_result_jsons_keys():
+    """What the loop knows, typed, as result.json's keys: what is not known yet is absent; the attempt's own values
+    over the ones an earlier attempt recorded; an eval's best kept by direction, the monitored one left to the
+    monitor; a restart's time down from its stop to the first step."""
+    from xtrain.engine.result import Result
+
+    record = Result(started={"max_steps": 10, "world_size": 1}, steps=4,
+                    recorded={"restarts": [{"at_step": 4, "stopped_at": time.time() - 5}], "initial_val_loss": 3.0,
+                              "train_loss": 9.9, "tokens_per_s": 1.0})
+    assert record.as_dict() == {"restarts": record.recorded["restarts"], "initial_val_loss": 3.0, "train_loss": 9.9,
+                                "tokens_per_s": 1.0, "status": "running", "steps": 4, "max_steps": 10, "world_size": 1}
+    record.evals.best = {"best_val_accuracy": 0.5}
+    directions = {"val_loss": "minimize", "val_accuracy": "maximize"}
+    for loss, accuracy in [(2.0, 0.4), (1.0, 0.3), (1.5, 0.9)]:
+        record.evals.record({"loss": loss, "accuracy": accuracy}, directions, monitored="val_loss")
+    record.evals.add_time(0.25)
+    record.evals.add_time(0.5)
+    record.first_step_done(time.time() - 2)
+    record.train_loss = 1.25
+    out = record.as_dict()
+    assert out["val_loss"] == 1.5 and out["val_accuracy"] == 0.9 and out["eval_time_s"] == 0.75
+    assert out["best_val_accuracy"] == 0.9 and "best_val_loss" not in out  # (the monitor's, judged after)
+    assert out["train_loss"] == 1.25 and out["initial_val_loss"] == 3.0  # its own value; the earlier one carried
+    assert 1.5 < out["time_to_first_step_s"] < 5 and 4.5 < out["restarts"][0]["down_s"] < 10
+    assert not {"model_step", "model_test", "error", "stop", "checkpoint_step"} & set(out)
+    json.dumps(out)  # (as update_result writes it)
+
+
 def test_record_end_keeps_an_end_the_trainer_recorded(tmp_path):
     rundir.record_end(tmp_path, "failed", "before training", started_only=True)
     assert not (tmp_path / "result.json").exists()  # nothing started: the dir can take the run again

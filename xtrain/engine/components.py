@@ -4,7 +4,7 @@ over the mesh's tp axis where it has one)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate import Accelerator
@@ -14,10 +14,7 @@ from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
 from xtrain.parallel import dims, fp8, strategies
 from xtrain.engine import sampler
-from xtrain.engine.pruning import Pruning
-from xtrain.engine.callbacks import Callbacks
 from xtrain.engine.optim import build_optimizer, build_scheduler
-from xtrain.engine.speed import Speed
 from xtrain.tasks.base import Task
 from xtrain.tasks.facts import stored_numel
 
@@ -38,9 +35,6 @@ class Components:
     n_val: int
     unit: str  # what one example is, for the log line: "blocks of 128 tokens"
     test_loader: DataLoader | None = None  # where the run has a test split
-    pruning: Pruning | None = None  # where the run is a study's trial
-    callbacks: Callbacks | None = None  # trainer.callbacks
-    speed: Speed = field(default_factory=Speed)  # the steady rate's windows, MFU's FLOPs and peak
     fp8: fp8.Trained | None = None  # which linear layers train in fp8 (torchao)
 
 

@@ -19,6 +19,7 @@ from xtrain.core.files import write_atomic
 from xtrain.core.rundir import EVALS, checkpoint_name
 from xtrain.parallel import tensor_parallel
 from xtrain.engine import sampler
+from xtrain.engine.result import Evals
 from xtrain.tasks import metrics
 from xtrain.tasks.base import Task
 
@@ -58,10 +59,9 @@ def evaluate(accelerator: Accelerator, task: Task, model, loader, keep_outputs: 
     return values, gathered
 
 
-def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dict, run_dir: Path) -> float:
-    """Evaluate, log, record `val_<name>` in `result` (and where its direction is known, the best so far,
-    `best_val_<name>`; the monitored value's is the monitor's, judged after this), save the arrays, answer the
-    sample prompts, and add the time it took to `eval_time_s` (this attempt's). Returns the val loss."""
+def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, evals: Evals, run_dir: Path) -> float:
+    """Evaluate, log, record the values in `evals` (the latest and the best of each), save the arrays, answer the
+    sample prompts, and add the time it took to this attempt's. Returns the val loss."""
     from xtrain.engine import reporting
 
     start = time.perf_counter()
@@ -69,19 +69,14 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, result: dic
     scalars = {name: value for name, value in values.items() if metrics.is_scalar(value)}
     epoch = sampler.epochs(step, cfg.trainer.grad_accum, c.train_loader)
     accelerator.log({**{f"val/{name}": value for name, value in scalars.items()}, "epoch": epoch}, step=step)
-    directions = c.task.directions()
-    for name, value in scalars.items():
-        key = f"val_{name}"
-        result[key] = value
-        if key != cfg.trainer.monitor and metrics.better(directions.get(key), value, result.get(f"best_{key}")):
-            result[f"best_{key}"] = value
+    evals.record(scalars, c.task.directions(), cfg.trainer.monitor)
     arrays = {name: value for name, value in values.items() if name not in scalars}
     if arrays and accelerator.is_main_process:
-        result["eval_files"] = save_arrays(run_dir, step, arrays)
-    log.info("step %d | %s", step, reporting.eval_text(result))
+        evals.files = save_arrays(run_dir, step, arrays)
+    log.info("step %d | %s", step, reporting.eval_text(evals.latest))
     if cfg.trainer.sample_prompts:
         log_samples(accelerator, cfg.trainer, c, step)
-    result["eval_time_s"] = round(result.get("eval_time_s", 0.0) + time.perf_counter() - start, 3)
+    evals.add_time(time.perf_counter() - start)
     return values["loss"]
 
 
@@ -95,14 +90,14 @@ def run_test(accelerator: Accelerator, c, step: int, run_dir: Path) -> dict:
     return {"step": step, **{f"test_{name}": value for name, value in values.items() if metrics.is_scalar(value)}}
 
 
-def report_test(accelerator: Accelerator, result: dict, step: int) -> None:
-    """At the end: the kept model's test values in result.json (`test_<name>`), metrics.jsonl and the trackers
+def report_test(accelerator: Accelerator, kept_test: dict, step: int) -> dict:
+    """At the end: the kept model's test values (`test_<name>`, for result.json), in metrics.jsonl and the trackers
     (`test/<name>`, at the last step), and a log line."""
-    tested = {key: value for key, value in result["model_test"].items() if key != "step"}
-    result.update(tested)
+    tested = {key: value for key, value in kept_test.items() if key != "step"}
     accelerator.log({f"test/{key[len('test_'):]}": value for key, value in tested.items()}, step=step)
     text = " | ".join(f"{key.replace('_', ' ', 1)} {value:.4f}" for key, value in tested.items())
-    log.info("step %d | %s (the model of step %d)", step, text, result["model_test"]["step"])
+    log.info("step %d | %s (the model of step %d)", step, text, kept_test["step"])
+    return tested
 
 
 def save_arrays(run_dir: Path, step: int, arrays: dict) -> dict[str, list[str]]:

@@ -36,6 +36,7 @@ from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
 from xtrain.engine.components import build_components
 from xtrain.engine.monitor import EARLY_STOP, Monitor
 from xtrain.engine.optim import set_hyperparameters
+from xtrain.engine.result import Result
 from xtrain.engine.speed import measure_speed
 from xtrain.engine.update import agree_on_step, optimizer_step, read_losses
 from xtrain.tasks.facts import model_facts
@@ -83,7 +84,7 @@ def train(run_dir: str | Path, cfg: RunConfig | None = None) -> dict:
 
 class Run:
     """One run on this rank: its config (run.yaml), Accelerator, run dir, components, counters (`progress`),
-    result.json as it grows (`result`) and clock. Building it builds everything and restores the checkpoint, if
+    what it knows as it trains (`record`, which result.json is written from) and clock. Building it builds everything and restores the checkpoint, if
     any; `train()` is the loop."""
 
     def __init__(self, run_dir: Path, cfg: RunConfig | None = None):
@@ -109,7 +110,7 @@ class Run:
         if accelerator.is_main_process:
             checkpoint.remove_partial(run_dir)
         self.c = c = build_components(cfg, accelerator, task)
-        c.pruning = pruning.Pruning(run_dir, accelerator.is_main_process, dims.effective_batch(cfg))
+        self.pruning = pruning.Pruning(run_dir, accelerator.is_main_process, dims.effective_batch(cfg))
         model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
         last_logged, changed = self.restore()
         self.start_step = start = self.progress.step
@@ -117,12 +118,12 @@ class Run:
         if self.finishing:
             log.info("resume: %s has trained all %d steps, but the run did not end: finishing its export",
                      self.resumed_from, start)
-        c.speed = measure_speed(cfg, accelerator, c, c.n_params)
-        c.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
+        self.speed = measure_speed(cfg, accelerator, c, c.n_params)  # (the steady rate's windows, MFU's FLOPs, peak)
+        self.callbacks = Callbacks(cfg, accelerator, c.model, run_dir)
         trackers = tracking.init_kwargs(cfg.tracker, run_dir, accelerator.is_main_process, start, last_logged)
         accelerator.init_trackers(cfg.tracker.project, config=tracking.hyperparameters(cfg), init_kwargs=trackers)
-        self.result = reporting.first_result(cfg, accelerator, c, self.resumed_from, start, n_params_meta, facts)
-        self.result["peak_rss_model_ready_bytes"] = model_ready
+        started = reporting.first_result(cfg, accelerator, c, self.resumed_from, start, n_params_meta, facts)
+        self.record = Result(started={**started, "peak_rss_model_ready_bytes": model_ready}, steps=start)
         self.record_start(last_logged, changed)  # (from here on, whatever ends the run is recorded: `train`)
 
     def train(self) -> dict:
@@ -131,21 +132,21 @@ class Run:
         rank's) ends them at that step boundary with a checkpoint. Then the export and the final result.json."""
         t, p, c = self.cfg.trainer, self.progress, self.c
         batches = _recording_first_batch(
-            sampler.micro_batches(self.accelerator, c.train_loader, p.step * t.grad_accum), self.accelerator, self.result
+            sampler.micro_batches(self.accelerator, c.train_loader, p.step * t.grad_accum), self.accelerator, self.record
         )
         self.train_start, self.seen_at_start, stop = time.time(), p.seen, None
         self.bar = bar = self.progress_bar()
         try:
             with logging_redirect_tqdm():
-                c.callbacks.call("on_train_start", p.step, self.result)
+                self.callbacks.call("on_train_start", p.step, self.record.as_dict())
                 if p.step == 0:
                     self.first_eval()
                 for step in range(p.step + 1, t.max_steps + 1):
                     signal = self.step(batches)
                     bar.update(1)
                     saved = self.log_eval_save()
-                    c.callbacks.call("on_train_batch_end", step, self.result, p.last_finite[1])
-                    p.callback_stop = c.callbacks.stop_asked()
+                    self.callbacks.call("on_train_batch_end", step, self.record.as_dict(), p.last_finite[1])
+                    p.callback_stop = self.callbacks.stop_asked()
                     if (signal or p.pruned or p.early_stop or p.callback_stop) and step < t.max_steps:
                         stop = self.stop_here(signal, saved)
                         break
@@ -199,25 +200,25 @@ class Run:
     def record_start(self, last_logged: int, changed: dict) -> None:
         """This attempt's record in result.json, from the start: the best values so far, the model model/ holds, a
         restart entry."""
-        result, p, run_dir = self.result, self.progress, self.run_dir
+        record, p, run_dir = self.record, self.progress, self.run_dir
         if self.finishing and self.accelerator.is_main_process:  # what the attempt that trained recorded stays
             trained = rundir.read_result(run_dir)
-            result.update({key: value for key, value in trained.items()
-                           if key not in result and key not in ("status", "error", "stop")})
-        result.update(p.best, monitor=p.monitor.state())
+            record.recorded = {key: value for key, value in trained.items() if key not in ("status", "error", "stop")}
+        record.evals.best, record.monitor = dict(p.best), p.monitor.state()
         if self.cfg.trainer.export is Export.best and p.monitor.best_step is not None:  # model/ holds that eval's model
             kept = rundir.read_result(run_dir) if self.accelerator.is_main_process else {}
-            result["model_step"] = p.monitor.best_step
+            record.kept.step = p.monitor.best_step
             if kept.get("model_step") == p.monitor.best_step:
-                result.update({key: kept[key] for key in ("model_eval", "model_test") if key in kept})
+                record.kept.eval, record.kept.test = kept.get("model_eval"), kept.get("model_test")
         if self.accelerator.is_main_process:
             if self.resumed_from is not None and self.resumed_from.parent == rundir.checkpoints_dir(run_dir):
-                result.update(rundir.continued(run_dir, p.step, last_logged, changed, self.moved, self.set_aside))
+                record.recorded.update(rundir.continued(run_dir, p.step, last_logged, changed, self.moved,
+                                                        self.set_aside))
             elif changed:  # resumed from another run's checkpoint
-                result["changed_from_checkpoint"] = changed
+                record.recorded["changed_from_checkpoint"] = changed
                 if self.moved:
-                    result["moved_from_checkpoint"] = self.moved
-            rundir.update_result(run_dir, result, fresh=True)
+                    record.recorded["moved_from_checkpoint"] = self.moved
+            rundir.update_result(run_dir, record.as_dict(), fresh=True)
 
     def progress_bar(self):
         t = self.cfg.trainer
@@ -228,10 +229,10 @@ class Run:
 
     def first_eval(self) -> None:
         """Step 0's eval (it also checks, on every task, that each metric can take its inputs)."""
-        self.result["initial_val_loss"] = evaluation.run_eval(self.accelerator, self.cfg, self.c, 0, self.result,
-                                                              self.run_dir)
+        evals = self.record.evals
+        evals.initial_val_loss = evaluation.run_eval(self.accelerator, self.cfg, self.c, 0, evals, self.run_dir)
         self.judge()
-        self.c.callbacks.call("on_validation_end", 0, self.result, val_values(self.result))
+        self.callbacks.call("on_validation_end", 0, self.record.as_dict(), dict(evals.latest))
 
     def step(self, batches) -> bool:
         """One optimizer step and its counters; whether any rank was asked to stop."""
@@ -252,10 +253,11 @@ class Run:
         p.window.count += per_step
         p.window.lr = lr
         p.seen += per_step
-        if "time_to_first_step_s" not in self.result:
-            reporting.note_first_step(self.result, self.process_start)
-        self.result["steps"], self.result["skipped_steps"] = p.step, p.skipped
-        self.result["epoch"] = sampler.epochs(p.step, t.grad_accum, self.c.train_loader)
+        record = self.record
+        if not record.first_step:
+            record.first_step_done(self.process_start)
+        record.steps, record.skipped_steps = p.step, p.skipped
+        record.epoch = sampler.epochs(p.step, t.grad_accum, self.c.train_loader)
         return signal
 
     def loss_read_due(self, signal: bool) -> bool:
@@ -264,7 +266,7 @@ class Run:
         at a stop, at this attempt's first step (its time to the first step is the step done) and its last, at every
         step where callbacks take each step's loss or several ranks read it anyway."""
         t, step = self.cfg.trainer, self.progress.step
-        return (signal or self.c.callbacks.any or self.accelerator.num_processes > 1
+        return (signal or self.callbacks.any or self.accelerator.num_processes > 1
                 or step in (self.start_step + 1, t.max_steps)
                 or any(step % every == 0 for every in (t.log_every, t.eval_every, t.save_every)))
 
@@ -273,16 +275,16 @@ class Run:
         t, p, c, accelerator = self.cfg.trainer, self.progress, self.c, self.accelerator
         step, last = p.step, p.step == t.max_steps
         if step % t.log_every == 0 or last:
-            c.speed.add(p.window.count, p.window.train_s)
-            self.result["train_loss"] = reporting.log_train(accelerator, p.window, step, t.max_steps, p.seen, p.skipped,
-                                                            c.task.throughput_unit, c.speed, self.result["epoch"])
-            self.bar.set_postfix(loss=f"{self.result['train_loss']:.3f}", refresh=False)
+            self.speed.add(p.window.count, p.window.train_s)
+            self.record.train_loss = reporting.log_train(accelerator, p.window, step, t.max_steps, p.seen, p.skipped,
+                                                         c.task.throughput_unit, self.speed, self.record.epoch)
+            self.bar.set_postfix(loss=f"{self.record.train_loss:.3f}", refresh=False)
             p.window = reporting.Window()
         if step % t.eval_every == 0 or last:
-            evaluation.run_eval(accelerator, self.cfg, c, step, self.result, self.run_dir)
+            evaluation.run_eval(accelerator, self.cfg, c, step, self.record.evals, self.run_dir)
             self.judge(last)
-            p.pruned = c.pruning is not None and c.pruning.decide(accelerator, step, self.result) and not last
-            c.callbacks.call("on_validation_end", step, self.result, val_values(self.result))
+            p.pruned = self.pruning.decide(accelerator, step, self.record.as_dict()) and not last
+            self.callbacks.call("on_validation_end", step, self.record.as_dict(), dict(self.record.evals.latest))
         if step % t.save_every == 0 or last:
             self.save_checkpoint()
             return True
@@ -291,13 +293,13 @@ class Run:
     def judge(self, last: bool = False) -> None:
         """After an eval: `trainer.monitor`'s verdict (its best is `best_<monitor>`); `export=best` exports the model
         where it improved, and `model_eval` records what that model scored."""
-        p, result, trainer = self.progress, self.result, self.cfg.trainer
-        improved, p.early_stop = p.monitor.judge(self.accelerator, p.step, result, trainer)
+        p, record, trainer = self.progress, self.record, self.cfg.trainer
+        improved, p.early_stop = p.monitor.judge(self.accelerator, p.step, record.evals.latest, trainer)
         p.early_stop = p.early_stop and not last
-        result["monitor"] = p.monitor.state()
+        record.monitor = p.monitor.state()
         if p.monitor.best is not None:
-            result[f"best_{p.monitor.name}"] = p.monitor.best
-        p.best = {key: value for key, value in result.items() if key.startswith("best_val_")}
+            record.evals.best[f"best_{p.monitor.name}"] = p.monitor.best
+        p.best = dict(record.evals.best)
         if improved and trainer.export is Export.best:
             self.save_model()
 
@@ -316,7 +318,7 @@ class Run:
         why = f" ({request['reason']})" if request.get("reason") else ""
         log.info("step %d | stopped by %s%s: checkpoint saved", p.step, request["signal"], why)
         if request["signal"] not in (pruning.PRUNER, EARLY_STOP, CALLBACK_STOP):  # interrupted, to resume later
-            self.c.callbacks.exception(p.step, self.result, KeyboardInterrupt(
+            self.callbacks.exception(p.step, self.record.as_dict(), KeyboardInterrupt(
                 f"stopped by {request['signal']} at step {p.step}; its checkpoint is saved"))
         return {**request, "step": p.step}
 
@@ -326,46 +328,44 @@ class Run:
             return
         if self.cfg.trainer.export is Export.last:
             self.save_model()
-        if "model_test" in self.result:  # the test split's values, of the model kept
-            evaluation.report_test(self.accelerator, self.result, self.progress.step)
-        self.c.callbacks.call("on_train_end", self.progress.step, self.result)
+        if self.record.kept.test is not None:  # the test split's values, of the model kept
+            self.record.tested = evaluation.report_test(self.accelerator, self.record.kept.test, self.progress.step)
+        self.callbacks.call("on_train_end", self.progress.step, self.record.as_dict())
 
     def record_failure(self, err: BaseException) -> None:
         """Whatever ended the run after it started, in result.json (`failed`, or `interrupted` by a signal) with its
         one-line error; the callbacks' `on_exception`."""
         stopped = isinstance(err, KeyboardInterrupt) or self.accelerator.num_processes > 1 and stopping.driver_gone()
-        self.result["status"] = Status.interrupted if stopped else Status.failed
-        self.result["error"] = one_line(err)
-        self.c.callbacks.exception(self.progress.step, self.result, err)
+        self.record.status = Status.interrupted if stopped else Status.failed
+        self.record.error = one_line(err)
+        self.callbacks.exception(self.progress.step, self.record.as_dict(), err)
         if self.accelerator.is_main_process:
-            rundir.update_result(self.run_dir, self.result)
+            rundir.update_result(self.run_dir, self.record.as_dict())
 
     def finish(self, stop: dict | None) -> dict:
         """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
-        accelerator, result, trainer, c = self.accelerator, self.result, self.cfg.trainer, self.c
+        accelerator, record, trainer, c = self.accelerator, self.record, self.cfg.trainer, self.c
         wall, seen = time.time() - self.train_start, self.progress.seen - self.seen_at_start
-        result.update(memory.peaks(accelerator))
+        record.peaks = memory.peaks(accelerator)
         accelerator.end_training()  # destroys the process group: no collective after it
         if accelerator.num_processes > 1:
             _HELD_UNTIL_EXIT.append((accelerator, c))
         if not self.finishing:  # (an attempt that only exported has no speed of its own)
-            c.speed.record(result, c.task.throughput_unit, seen, time.time() - self.process_start)
+            record.speed = self.speed.figures(c.task.throughput_unit, seen, time.time() - self.process_start)
         pruned = stop is not None and stop["signal"] == pruning.PRUNER
         early = stop is not None and stop["signal"] in (EARLY_STOP, CALLBACK_STOP)
-        result.update(
-            status=Status.completed if stop is None or early else Status.pruned if pruned else Status.interrupted,
-            wall_time_s=round(time.time() - self.process_start, 3),
-            train_time_s=round(wall, 3),
-        )
+        record.status = Status.completed if stop is None or early else Status.pruned if pruned else Status.interrupted
+        record.wall_time_s, record.train_time_s = round(time.time() - self.process_start, 3), round(wall, 3)
         if early and stop["signal"] == CALLBACK_STOP:
-            result["callback_stop"] = {"step": stop["step"], "reason": stop["reason"]}
+            record.callback_stop = {"step": stop["step"], "reason": stop["reason"]}
         elif early:
-            result["early_stop"] = {"step": stop["step"], "patience": trainer.early_stop_patience,
-                                    "best_step": result["monitor"]["best_step"]}
+            record.early_stop = {"step": stop["step"], "patience": trainer.early_stop_patience,
+                                 "best_step": record.monitor["best_step"]}
         elif pruned:
-            result.update(stop=stop, error=f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved")
+            record.stop, record.error = stop, f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved"
         elif stop is not None:
-            result.update(stop=stop, error=f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved")
+            record.stop, record.error = stop, f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved"
+        result = record.as_dict()
         if accelerator.is_main_process:
             rundir.update_result(self.run_dir, result)
             if stop is None or early:
@@ -384,20 +384,20 @@ class Run:
         path = checkpoint.save(self.accelerator, self.run_dir, p.step, state, cfg.trainer.keep_checkpoints,
                                cfg.model.lora.enabled)
         log.info("step %d | checkpoint saved: %s", p.step, path)
-        self.result["checkpoint_step"] = p.step  # what a kill from here on resumes from
+        self.record.checkpoint_step = p.step
         if self.accelerator.is_main_process:
-            rundir.update_result(self.run_dir, self.result)
-        self.c.callbacks.call("on_save_checkpoint", p.step, None, path)
+            rundir.update_result(self.run_dir, self.record.as_dict())
+        self.callbacks.call("on_save_checkpoint", p.step, None, path)
 
     def save_model(self) -> None:
         """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's
-        (files.replace_dir); `model_step` and `model_eval` (what that model scored at its eval) in `result`."""
-        accelerator, c, result, step = self.accelerator, self.c, self.result, self.progress.step
-        result["model_step"], result["model_eval"] = step, scores(result, step)
+        (files.replace_dir); the step, what it scored at its eval and its test split's values in `record.kept`."""
+        accelerator, c, record, step = self.accelerator, self.c, self.record, self.progress.step
+        record.kept.step, record.kept.eval = step, {"step": step, **record.evals.latest}
         if c.test_loader is not None:  # the test split, on the model model/ keeps (a collective)
-            result["model_test"] = evaluation.run_test(accelerator, c, step, self.run_dir)
+            record.kept.test = evaluation.run_test(accelerator, c, step, self.run_dir)
             if accelerator.is_main_process:
-                result["eval_files"] = evaluation.eval_files(self.run_dir)
+                record.evals.files = evaluation.eval_files(self.run_dir)
         state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
         if not accelerator.is_main_process:
             return  # (ZeRO-3 consolidates on the main process only: here it is None)
@@ -418,20 +418,10 @@ class Run:
                                                        memory.parameter_bytes(c.model), kept, self.run_dir)) from err
 
 
-def val_values(result: dict) -> dict:
-    """The last eval's values (`val_loss`, `val_<metric>`) as `result` holds them."""
-    return {key: value for key, value in result.items() if key.startswith("val_")}
-
-
-def scores(result: dict, step: int) -> dict:
-    """The eval values at `step` (the eval just recorded in `result`), as `model_eval` holds them."""
-    return {"step": step, **val_values(result)}
-
-
-def _recording_first_batch(batches, accelerator: Accelerator, result: dict):
+def _recording_first_batch(batches, accelerator: Accelerator, record: Result):
     """Record which data each rank got first (the sum of its ids): the shards must differ."""
     batch = next(batches)
     ids = sum(value.sum() for value in (batch.values() if isinstance(batch, dict) else batch) if torch.is_tensor(value))
-    result["first_batch_sums"] = accelerator.gather(ids.reshape(1)).tolist()
+    record.first_batch_sums = accelerator.gather(ids.reshape(1)).tolist()
     yield batch
     yield from batches

@@ -17,7 +17,6 @@ from accelerate.utils import DistributedType
 
 from xtrain.config.schema import RunConfig
 from xtrain.core import machine, memory, rundir
-from xtrain.core.rundir import Status
 from xtrain.parallel import compiling, dims, plugins
 from xtrain.parallel.estimate import model_state_memory
 from xtrain.engine import optim, sampler
@@ -110,7 +109,7 @@ def processes(world: int, strategy: str, layout: dims.ParallelDims | None = None
 
 def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path | None,
                  start_step: int, n_params_meta: int, facts: plugins.ModelFacts) -> dict:
-    """result.json as the loop starts (status `running`), and the run's header line."""
+    """The run's facts in result.json as the loop starts, and its header line."""
     t, world, layout = cfg.trainer, accelerator.num_processes, dims.of(cfg)
     trains = f" ({c.n_trainable / 1e6:.2f}M trained)" if c.n_trainable is not None else ""
     per_epoch = sampler.steps_per_epoch(t.grad_accum, c.train_loader)
@@ -124,7 +123,7 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
     if resume_from is not None:
         log.info("resumed from %s at step %d", resume_from, start_step)
     result = {
-        "status": Status.running, "steps": start_step, "max_steps": t.max_steps, "world_size": world,
+        "max_steps": t.max_steps, "world_size": world,
         "precision": cfg.precision.name.value, "autocast": accelerator.native_amp,
         "model_parameters": c.n_params, "resumed_from": str(resume_from) if resume_from else None,
         "model_state_bytes_estimate": model_state_memory(n_params_meta, cfg, c.n_trainable, facts.quantized,
@@ -150,12 +149,3 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
         result["rendezvous"] = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         result["backend"] = torch.distributed.get_backend()  # nccl on GPUs, gloo on CPUs
     return result
-
-
-def note_first_step(result: dict, process_start: float) -> None:
-    now = time.time()
-    result["time_to_first_step_s"] = round(now - process_start, 3)
-    result["first_step_at"] = now
-    restart = (result.get("restarts") or [{}])[-1]
-    if restart.get("stopped_at") and "down_s" not in restart:  # from the stop to this step, across the restart
-        restart["down_s"] = round(now - restart["stopped_at"], 3)

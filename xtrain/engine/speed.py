@@ -119,17 +119,15 @@ class Speed:
             return None
         return self.flops_per_unit * per_s / self.peak_flops
 
-    def record(self, result: dict, unit: str, seen: int, whole_s: float) -> dict:
-        """The attempt's figures into result.json."""
+    def figures(self, unit: str, seen: int, whole_s: float) -> dict:
+        """The attempt's figures, as result.json has them."""
         steady = self.steady()
-        result[f"{unit}_per_s"] = steady
-        result[f"{unit}_per_s_whole_run"] = seen / whole_s if whole_s > 0 else 0.0
         mfu = self.mfu(steady)
-        result["mfu"] = None if mfu is None else round(mfu, 4)
-        result["mfu_peak"] = self.peak_info
+        out = {f"{unit}_per_s": steady, f"{unit}_per_s_whole_run": seen / whole_s if whole_s > 0 else 0.0,
+               "mfu": None if mfu is None else round(mfu, 4), "mfu_peak": self.peak_info}
         if self.flops_per_unit:
-            result[f"flops_per_{unit.rstrip('s')}"] = self.flops_per_unit
-        return result
+            out[f"flops_per_{unit.rstrip('s')}"] = self.flops_per_unit
+        return out
 
 
 def measure_speed(cfg, accelerator, c, n_params: int) -> Speed:
