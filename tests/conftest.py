@@ -121,7 +121,12 @@ def isolated_env(tmp_path_factory):
     for key in list(os.environ):
         if key.startswith(("ACCELERATE_", "FSDP_", "WANDB_", "HYDRA_")):
             del os.environ[key]
+    # Inductor's compiled kernels: one cache for the session's workers, cold at its start (a run's first compile is
+    # what a fresh machine pays, and test_compile measures it), never the one a previous session left in /tmp
+    session = tmp_path_factory.getbasetemp()
+    session = session.parent if os.environ.get("PYTEST_XDIST_WORKER") else session
     os.environ.update(
+        TORCHINDUCTOR_CACHE_DIR=str(session / "inductor"),
         XTRAIN_CACHE_DIR=str(tmp_path_factory.mktemp("cache")),
         HF_HUB_OFFLINE="1",
         HF_DATASETS_OFFLINE="1",
