@@ -31,20 +31,20 @@ def test_the_loops_typed_record_writes_result_jsons_keys():
     monitor; a restart's time down from its stop to the first step."""
     from xtrain.engine.result import Result
 
-    record = Result(started={"max_steps": 10, "world_size": 1}, steps=4,
-                    recorded={"restarts": [{"at_step": 4, "stopped_at": time.time() - 5}], "initial_val_loss": 3.0,
-                              "train_loss": 9.9, "tokens_per_s": 1.0})
-    assert record.as_dict() == {"restarts": record.recorded["restarts"], "initial_val_loss": 3.0, "train_loss": 9.9,
+    typed = Result({"max_steps": 10, "world_size": 1}, 4,  # (started, steps, and what earlier attempts recorded)
+                   {"restarts": [{"at_step": 4, "stopped_at": time.time() - 5}], "initial_val_loss": 3.0,
+                    "train_loss": 9.9, "tokens_per_s": 1.0})
+    assert typed.as_dict() == {"restarts": typed.recorded["restarts"], "initial_val_loss": 3.0, "train_loss": 9.9,
                                 "tokens_per_s": 1.0, "status": "running", "steps": 4, "max_steps": 10, "world_size": 1}
-    record.evals.best = {"best_val_accuracy": 0.5}
+    typed.evals.best = {"best_val_accuracy": 0.5}
     directions = {"val_loss": "minimize", "val_accuracy": "maximize"}
     for loss, accuracy in [(2.0, 0.4), (1.0, 0.3), (1.5, 0.9)]:
-        record.evals.record({"loss": loss, "accuracy": accuracy}, directions, monitored="val_loss")
-    record.evals.add_time(0.25)
-    record.evals.add_time(0.5)
-    record.first_step_done(time.time() - 2)
-    record.train_loss = 1.25
-    out = record.as_dict()
+        typed.evals.record({"loss": loss, "accuracy": accuracy}, directions, monitored="val_loss")
+    typed.evals.add_time(0.25)
+    typed.evals.add_time(0.5)
+    typed.first_step_done(time.time() - 2)
+    typed.train_loss = 1.25
+    out = typed.as_dict()
     assert out["val_loss"] == 1.5 and out["val_accuracy"] == 0.9 and out["eval_time_s"] == 0.75
     assert out["best_val_accuracy"] == 0.9 and "best_val_loss" not in out  # (the monitor's, judged after)
     assert out["train_loss"] == 1.25 and out["initial_val_loss"] == 3.0  # its own value; the earlier one carried
