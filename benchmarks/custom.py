@@ -45,7 +45,7 @@ def xtrain_steps_per_s(steps: int, batch: int, run_dir: Path) -> float:
     cfg = resolve_auto(schema.from_container(cfg))
     from xtrain.launch import preflight
 
-    run_here(cfg, preflight.write_run_dir(cfg, preflight.preflight(cfg)))
+    run_here(cfg, preflight.write_run_dir(preflight.preflight(cfg)))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     second_half = [r for r in rows if "train/examples_per_s" in r][-1]
     return second_half["train/examples_per_s"] / batch

@@ -23,9 +23,8 @@ model.source model.arch model.name_or_path model.hidden_size model.num_layers mo
 model.intermediate_size model.vocab_size model.dropout
 model.lora.enabled model.lora.rank model.lora.alpha model.lora.dropout model.lora.target_modules
 model.lora.modules_to_save model.lora.quantize_base
-data.source data.files data.name data.config_name data.split data.text_column data.block_size data.val_fraction
-data.max_val_tokens data.num_proc
-data.cache_dir data.format data.train_on data.packing data.chat_template data.test
+data.source data.text_column data.block_size data.val_fraction data.max_val_tokens data.num_proc data.cache_dir
+data.test data.files data.name data.config_name data.split data.format data.train_on data.packing data.chat_template
 task.name task.metrics task.loss task.code_dir task.num_labels task.problem task.label_column task.text_pair_column
 task.num_channels task.image_size task.augment
 strategy.name strategy.dp_replicate strategy.tp strategy.cp

@@ -58,12 +58,12 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.monitor=val_accuracy"],
          ["trainer.monitor=val_accuracy: the task does not compute it; it computes val_loss, val_ppl"]),
         # a setting of another data source's: data.files without data=text trained on the default corpus
-        (["data.files=[notes.txt]"], ["data.files=[notes.txt]: not read by data=pydoc; use data=text (or data=sft, "
-                                      "data=images), or drop it"]),
+        (["data.files=[notes.txt]"], ["data.files=[notes.txt]: no such setting with this data source: it is a setting of "
+                                      "data=text|sft|images; use one of those, or drop it"]),
         (["data=text", "data.files=[README.md]", "data.packing=false"],
-         ["data.packing=false: not read by data=text; use data=sft, or drop it"]),
+         ["data.packing=false: no such setting with this data source: it is a setting of data=sft; add data=sft"]),
         (["data=text", "data.files=[README.md]", "data.split=validation"],
-         ["data.split=validation: not read by data=text; use data.name (with data=hf or data=sft), or drop it"]),
+         ["data.split=validation: no such setting with this data source: it is a setting of data=hf|sft"]),
         # a pretrained model's setting with a model built from config, and the other way round; Llama's with GPT-2
         (["model.name_or_path=gpt2"], ["model.name_or_path=gpt2: a pretrained model's, and this run builds a gpt2 from "
                                        "config with random weights; use model=hf to load it, or drop it"]),

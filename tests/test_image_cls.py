@@ -146,7 +146,7 @@ def test_parquet_images_prepare_to_the_folders_pixels(folder, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from xtrain.config.schema import DataConfig, DataSource
+    from xtrain.config.schema import DataSource, data_config
     from xtrain.data import images
     from xtrain.config.task import TaskConfig, TaskKind
 
@@ -155,9 +155,9 @@ def test_parquet_images_prepare_to_the_folders_pixels(folder, tmp_path):
                              "label": [int(p.parent.name) for p in files]}), tmp_path / "digits.parquet")
     task = TaskConfig(name=TaskKind.image_cls, num_labels=10, num_channels=1)
     cache = dict(cache_dir=str(tmp_path / "cache"), val_fraction=0.15)
-    from_folder = images.prepare(DataConfig(source=DataSource.images, files=[str(folder)], **cache), task)
-    from_parquet = images.prepare(DataConfig(source=DataSource.images, files=[str(tmp_path / "digits.parquet")],
-                                             **cache), task)
+    from_folder = images.prepare(data_config(DataSource.images, files=[str(folder)], **cache), task)
+    from_parquet = images.prepare(data_config(DataSource.images, files=[str(tmp_path / "digits.parquet")],
+                                            **cache), task)
     assert from_parquet.meta["num_labels"] == 10 and from_parquet.meta["records"] == 1797
     assert np.array_equal(np.load(from_folder.path / images.PIXELS), np.load(from_parquet.path / images.PIXELS))
     assert np.array_equal(np.load(from_folder.path / images.LABELS), np.load(from_parquet.path / images.LABELS))

@@ -122,6 +122,18 @@ def test_each_option_has_a_schema_of_its_own():
     assert schema.option_schema("cluster", {"kind": ClusterKind.slurm}) is SlurmConfig
     with pytest.raises(ConfigError, match="strategy.name=zero3: set by the strategy option; use strategy=zero3"):
         DdpConfig(name=Strategy.zero3)
+    from xtrain.config.data import DataSource, HfData, PydocData, SftData, TextData, data_config
+
+    assert type(data_config(DataSource.text, files=["a.txt"])) is TextData and type(schema.RunConfig().data) is PydocData
+    assert (index["data.files"], index["data.packing"], index["data.split"], index["data.block_size"]) == \
+        ("data=text|sft|images", "data=sft", "data=hf|sft", "")
+    assert schema.option_schema("data", {"source": "hf", "name": "x"}) is HfData
+    with pytest.raises(ConfigError, match="data.source=hf: set by the data option; use data=hf"):
+        schema.option_schema("data", {**{f.name: None for f in dataclasses.fields(TextData)}, "source": "hf"})
+    with pytest.raises(ConfigError, match="data.split=validation: a setting of a dataset by name, and this run reads "
+                                          "data.files; use data.name="):
+        SftData(files=["chat.jsonl"], split="validation")
+    assert SftData(name="org/chats", split="validation").split == "validation"
 
 
 def test_a_run_yaml_of_flat_groups_still_loads(tmp_path):
@@ -134,6 +146,7 @@ def test_a_run_yaml_of_flat_groups_still_loads(tmp_path):
     flat = schema.to_container(schema.RunConfig())
     flat["strategy"].update(offload_optimizer="none", fsdp_version=2, sharding="full_shard", wrap_layer=None)
     flat["cluster"].update(partition=None, time_limit="01:00:00", min_nodes=None, sbatch_args={})
+    flat["data"].update(files=[], name=None, config_name=None, split="train", format="auto", packing=True)
     (tmp_path / "run.yaml").write_text(OmegaConf.to_yaml(flat))
     cfg = schema.load(str(tmp_path / "run.yaml"))
     assert type(cfg.strategy).__name__ == "DdpConfig" and type(cfg.cluster).__name__ == "LocalConfig"

@@ -367,7 +367,7 @@ def test_a_config_built_models_facts_are_kept_in_the_cache_and_read_back_without
     assert built[1].wrap_layer == "LlamaDecoderLayer" and built[0] > 0
     assert len(list((tmp_path / "model-facts").iterdir())) == 1
 
-    def no_build(cfg):
+    def no_build(cfg, task=None):
         raise AssertionError("built the model again")
 
     monkeypatch.setattr(facts_module, "_FACTS", {})
@@ -375,6 +375,18 @@ def test_a_config_built_models_facts_are_kept_in_the_cache_and_read_back_without
     assert model_facts(fsdp) == built
     with pytest.raises(AssertionError, match="built the model again"):
         model_facts(compose_run("model=tiny_llama", "strategy=fsdp", "precision=bf16", "model.num_layers=3"))
+    # a rank reads them from the run dir's prepared.json, written by the driver for these settings alone
+    from xtrain.launch.prepared import Prepared
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    Prepared(fsdp, None, *built, checkpoint=None).write(run_dir)
+    monkeypatch.setenv("XTRAIN_CACHE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(facts_module, "_FACTS", {})
+    assert model_facts(fsdp, run_dir=run_dir) == built
+    with pytest.raises(AssertionError, match="built the model again"):
+        model_facts(compose_run("model=tiny_llama", "strategy=fsdp", "precision=bf16", "model.num_layers=3"),
+                    run_dir=run_dir)
     pretrained = compose_run("model.source=pretrained", f"model.name_or_path={tmp_path / 'somewhere'}")
     assert facts_module._stored(pretrained, "any") is None
     monkeypatch.undo()  # a cache it cannot write to: the facts are computed and the launch goes on

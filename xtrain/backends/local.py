@@ -59,18 +59,18 @@ def run(cfg: RunConfig) -> dict:
         print(describe(cfg))
         return {"dry_run": True}
     with runlock.holding(cfg.run_dir, take=cfg.cluster.node_rank == 0):  # (from before anything is written)
-        facts = preflight.preflight(cfg)
-        prepare_data(cfg)  # before the run dir is written: data that cannot be prepared leaves none behind
+        prepared = preflight.preflight(cfg)
+        prepare_data(cfg, prepared.task)  # before the run dir is written: data that cannot be prepared leaves none behind
         with preflight.taken_back_if_refused(Path(cfg.run_dir)):  # (refused by a worker before it started)
-            return run_here(cfg, preflight.write_or_wait(cfg, facts), data_ready=True)
+            return run_here(cfg, preflight.write_or_wait(prepared), data_ready=True)
 
 
-def prepare_data(cfg: RunConfig) -> None:
+def prepare_data(cfg: RunConfig, task=None) -> None:
     """The run's data, prepared in this process before any worker starts (or found prepared): workers only
-    read it, so no rank waits in a collective while a corpus is tokenized."""
+    read it, so no rank waits in a collective while a corpus is tokenized (`task`: the run's, where it has one)."""
     from xtrain.tasks.registry import task_for
 
-    prepared = task_for(cfg).prepare()
+    prepared = (task or task_for(cfg)).prepare()
     if prepared is not None and not prepared.fresh:
         log.info("data: prepared on %s earlier: %s (%s)", prepared.meta["prepared_on"], prepared.describe(),
                  prepared.path)

@@ -30,7 +30,6 @@ from xtrain.sweeps import sweep_dir
 
 GROUP_SCHEMAS = {
     "model": schema.ModelConfig,
-    "data": schema.DataConfig,
     "precision": schema.PrecisionConfig,
     "trainer": schema.TrainerConfig,
     "tracker": schema.TrackerConfig,
@@ -43,15 +42,20 @@ def register_schemas() -> None:
     make_launchers_visible()  # xtrain/conf/config.yaml names hydra/launcher=xtrain
     store = ConfigStore.instance()
     root = OmegaConf.structured(RunConfig)
-    root.model, root.data = "???", "???"  # typed by the group option: a schema's, or a user's own by _target_
+    root.model = "???"  # typed by the group option: a schema's, or a user's own by _target_
     for group in schema.OPTION_SCHEMAS:
-        root[group] = "???"  # typed by the group option's own schema
+        root[group] = "???"  # typed by the group option's own schema (data: or a user's datasets by _target_)
     store.store(name="run_config", node=root)
     for group, node in GROUP_SCHEMAS.items():
         store.store(group=f"schema/{group}", name="base", node=node)  # extended by xtrain/conf/<group>/*.yaml
     for group, (_, _, options) in schema.OPTION_SCHEMAS.items():
         for option in set(options.values()):  # FsdpConfig as schema/strategy/fsdp, extended by conf/strategy/fsdp.yaml
-            store.store(group=f"schema/{group}", name=option.__name__.removesuffix("Config").lower(), node=option)
+            store.store(group=f"schema/{group}", name=schema_name(option), node=option)
+
+
+def schema_name(option) -> str:
+    """The name an option's schema is stored by: FsdpConfig as `fsdp`, ZeroConfig as `zero`, TextData as `text`."""
+    return option.__name__.removesuffix("Config").removesuffix("Data").lower()
 
 
 def command_argv(doc: str, argv: list[str] | None) -> list[str] | None:

@@ -92,13 +92,12 @@ def reference() -> str:
     default and description, from the same sources as `--help`."""
     import typing
 
-    from xtrain.config.schema import RunConfig
+    from xtrain.config.schema import OPTION_SCHEMAS, RunConfig
 
-    from xtrain.config.schema import OPTION_SCHEMAS
-
-    hints = typing.get_type_hints(RunConfig)  # a group typed by its option (model, data): its schema's default
+    hints = typing.get_type_hints(RunConfig)  # a group typed by its option (model): its schema's default
     hints.update({f.name: type(f.default_factory()) for f in dataclasses.fields(RunConfig)
                   if f.default_factory is not dataclasses.MISSING and f.name not in OPTION_SCHEMAS})
+    hints.update({group: type(getattr(RunConfig(), group)).__mro__[1] for group in OPTION_SCHEMAS})  # (the base)
     chosen, root = defaults(), field_docs(RunConfig)
     out = []
     for group in GROUPS:

@@ -31,11 +31,6 @@ def not_read_by(settings, option: str) -> list[str]:
     return [f.name for f in dataclasses.fields(settings) if f.metadata.get(ONLY) and option not in f.metadata[ONLY]]
 
 
-def readers(settings, name: str) -> tuple[str, ...]:
-    """The options that read setting `name` (empty: every option)."""
-    return next(f.metadata.get(ONLY, ()) for f in dataclasses.fields(settings) if f.name == name)
-
-
 def free_settings(schema, prefix: str = "") -> list[str]:
     """Every dotted setting a resume may change: a name, or a group's prefix ending in "." where all of it is."""
     if getattr(schema, "__all_free__", False):

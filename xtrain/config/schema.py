@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from xtrain.config import cluster, strategy
+from xtrain.config import cluster, data, strategy
 from xtrain.config.fields import setting
 from xtrain.config.cluster import ClusterConfig, ClusterKind, LocalConfig, SlurmConfig  # noqa: F401 (re-exported)
-from xtrain.config.data import DataConfig, DataSource, ExampleFormat, TrainOn  # noqa: F401 (re-exported)
+from xtrain.config.data import (DataConfig, DataSource, ExampleFormat, HfData, ImagesData, PydocData,  # noqa: F401
+                                 SftData, TextData, TrainOn, data_config)
 from xtrain.config.lora import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)
 from xtrain.config.model import ModelArch, ModelConfig, ModelSource  # noqa: F401 (re-exported)
 from xtrain.config.precision import Fp8Backend, Precision, PrecisionConfig  # noqa: F401 (re-exported)
@@ -32,7 +33,7 @@ from xtrain.core.errors import ConfigError, override_of, unknown_setting
 @dataclass
 class RunConfig:
     model: Any = field(default_factory=ModelConfig)  # a ModelConfig, or a TargetModel (task=custom)
-    data: Any = field(default_factory=DataConfig)  # a DataConfig, or a TargetData (task=custom)
+    data: Any = field(default_factory=PydocData)  # the data option's own schema, or a TargetData (task=custom)
     task: TaskConfig = field(default_factory=TaskConfig)
     strategy: StrategyConfig = field(default_factory=DdpConfig)  # the strategy option's own schema
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -95,7 +96,8 @@ class RunConfig:
 
 
 # The groups whose options carry schemas of their own: the setting that names the option, each option's schema
-OPTION_SCHEMAS = {"strategy": ("name", Strategy, strategy.OPTIONS), "cluster": ("kind", ClusterKind, cluster.OPTIONS)}
+OPTION_SCHEMAS = {"data": ("source", DataSource, data.OPTIONS), "strategy": ("name", Strategy, strategy.OPTIONS),
+                  "cluster": ("kind", ClusterKind, cluster.OPTIONS)}
 
 
 def option_schema(group: str, node: Any):
@@ -163,7 +165,7 @@ def to_container(cfg: RunConfig) -> dict:
     if not (custom_model or custom_data):
         return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
     plain = dataclasses.replace(cfg, model=ModelConfig() if custom_model else cfg.model,
-                                data=DataConfig() if custom_data else cfg.data)
+                                data=PydocData() if custom_data else cfg.data)
     out = OmegaConf.to_container(OmegaConf.structured(plain), enum_to_str=True)
     if custom_model:
         out["model"] = cfg.model.node()
@@ -257,11 +259,11 @@ def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:
             found.append(f"{prefix}{key}")
             continue
         factory = fields[key].default_factory
-        sub = factory() if factory is not dataclasses.MISSING else None
+        sub = type(factory()) if factory is not dataclasses.MISSING else None
         if schema is RunConfig and key in OPTION_SCHEMAS:
-            sub = option_schema(key, value)()
+            sub = option_schema(key, value)
         if dataclasses.is_dataclass(sub) and isinstance(value, dict):
-            found += unknown_keys(value, type(sub), f"{prefix}{key}.")
+            found += unknown_keys(value, sub, f"{prefix}{key}.")
     return found
 
 
@@ -270,7 +272,7 @@ def upgraded(record: dict) -> dict:
     settings of the options it did not choose (it held them at their defaults: any other value was refused)."""
     out = dict(record)
     for group in OPTION_SCHEMAS:
-        if isinstance(record.get(group), dict):
+        if isinstance(record.get(group), dict) and OPTION_SCHEMAS[group][0] in record[group]:  # (not datasets by _target_)
             own = _fields(_named_schema(group, record[group]))
             out[group] = {k: v for k, v in record[group].items() if k in own}
     return out

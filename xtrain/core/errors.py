@@ -142,6 +142,9 @@ BY_TARGET = ("model._target_", "data.train._target_", "data.val._target_", "data
 EPOCHS = ("max_epochs", "epochs", "num_epochs", "num_train_epochs", "n_epochs", "min_epochs")  # Lightning's, HF's
 
 
+OPTION_NOUNS = {"data": "data source"}  # what an option of a group is called in a sentence
+
+
 def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> str:
     """The one line for a setting that does not exist, with the one that most likely was meant. `settings`: every
     dotted setting → the options of its group it belongs to (`strategy=fsdp`; empty: every option's)."""
@@ -151,7 +154,7 @@ def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> s
                   if settings.get(key)), None)
     if owner:  # a setting of another option of its group
         use = f"add {owner}" if "|" not in owner else "use one of those"
-        return f"{given}: no such setting with this {parts[0]}: it is a setting of {owner}; {use}, or drop it"
+        return f"{given}: no such setting with this {OPTION_NOUNS.get(parts[0], parts[0])}: it is a setting of {owner}; {use}, or drop it"
     if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
         return f"{given}: a model and datasets by _target_ are trained by task=custom; add task=custom"
     if name.split(".")[-1] in EPOCHS:

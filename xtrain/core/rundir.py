@@ -36,6 +36,7 @@ from xtrain.core.files import write_atomic
 RUN_CONFIG = "run.yaml"
 METRICS = "metrics.jsonl"
 RESULT = "result.json"
+PREPARED = "prepared.json"  # what the launch found before it started (launch/prepared.py)
 MODEL = "model"
 EVALS = "evals"  # a metric's arrays (a confusion matrix), per eval: evals/<name>/step_N.json (and .png)
 LOGS = "logs"

@@ -183,12 +183,36 @@ def identity(cfg, task=None) -> dict:
             "processes": cfg.cluster.world_size}
 
 
+_resolved: dict[tuple, Path | None] = {}  # `resolve`'s answers in this process, by everything they follow from
+
+
 def resolve(resume: str, run_dir: str | Path, expected: dict, cfg, checked: bool = False) -> Path | None:
     """The checkpoint to resume from (None: fresh start), checked against this run's `identity`: the same model, and
     one that can move to this run's strategy and world; and its files against their checksums, unless `checked` (the
-    main process did, and set aside what failed: `set_aside_failing`)."""
+    main process did, and set aside what failed: `set_aside_failing`). Worked out once per process for the same
+    question and the same checkpoints on disk (the driver asks as it resolves, checks and writes the run dir)."""
     if resume == "none":
         return None
+    key = (resume, str(run_dir), json.dumps(expected, sort_keys=True, default=str), repr(cfg.strategy),
+           cfg.cluster.world_size, cfg.model.lora.enabled, checked, _on_disk(run_dir, resume))
+    if key not in _resolved:  # (a refusal is not kept: it is raised again)
+        _resolved[key] = _resolve(resume, run_dir, expected, cfg, checked)
+    return _resolved[key]
+
+
+def _on_disk(run_dir: str | Path, resume: str) -> tuple:
+    """The checkpoints a resolve would look at, as they are now: each one's name and its state file's time."""
+    roots = [checkpoints_dir(run_dir)] if resume == "auto" else [Path(os.path.expanduser(resume)),
+                                                                 checkpoints_dir(os.path.expanduser(resume))]
+    found = []
+    for root in roots:
+        with contextlib.suppress(OSError):
+            found += [(str(p), (p / CHECKPOINT_STATE).stat().st_mtime_ns if (p / CHECKPOINT_STATE).exists() else None)
+                      for p in sorted(root.iterdir())]
+    return tuple(found)
+
+
+def _resolve(resume: str, run_dir: str | Path, expected: dict, cfg, checked: bool) -> Path | None:
     if resume == "auto" and checked:
         path = newest(run_dir)
         if path is None:

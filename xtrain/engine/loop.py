@@ -94,7 +94,7 @@ class Run:
         self.process_start = machine.launch_time()
         machine.name_deepspeed_accelerator()
         memory.reset_peaks()
-        n_params_meta, facts = model_facts(cfg)
+        n_params_meta, facts = model_facts(cfg, run_dir=run_dir)  # (the driver's, from prepared.json)
         self.accelerator = accelerator = build_accelerator(cfg, run_dir, facts)
         check_setup(cfg, accelerator.distributed_type, accelerator.num_processes)
         # preflight (hardware.check) refuses what Accelerate would silently run in fp32

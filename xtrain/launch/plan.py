@@ -234,7 +234,7 @@ def batch_unit(cfg: RunConfig, effective: int) -> str:
     """What an optimizer step's examples are: token blocks (counted in tokens), padded sequences, or examples."""
     data = cfg.data
     block = block_tokens(cfg.task.name.value, {"block_size": data.block_size, "source": data.source.value,
-                                               "packing": data.packing}) if isinstance(data, DataConfig) else None
+                                               "packing": getattr(data, "packing", True)}) if isinstance(data, DataConfig) else None
     if block is not None:
         return f"sequences = {effective * block} tokens per optimizer step"
     if cfg.task.name is TaskKind.causal_lm:

@@ -27,6 +27,7 @@ from xtrain.core.files import write_atomic
 from xtrain.parallel import fp8, plugins, strategies, zero
 from xtrain.engine import callbacks, checkpoint, optim, resume
 from xtrain.launch import hardware, plan
+from xtrain.launch.prepared import Prepared
 from xtrain.tasks.facts import model_facts
 from xtrain.tasks.registry import task_for
 
@@ -36,8 +37,9 @@ ACCELERATE_CONFIG = "accelerate_config.yaml"
 DEEPSPEED_CONFIG = zero.CONFIG_FILE
 
 
-def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
-    """Checks of the machine and the world outside the config (files, models, checkpoints); the model's facts.
+def preflight(cfg: RunConfig, planning: bool = False) -> Prepared:
+    """Checks of the machine and the world outside the config (files, models, checkpoints); what they found (the
+    task, the model's facts, the checkpoint to resume from), for the backend to write the run dir from.
     What only a cluster can tell (partitions, nodes) its backend checks (`check`) before this. `planning` (a dry
     run): what this machine's hardware cannot run is for the plan to say, not a refusal; every other check holds."""
     if not planning or hardware.submitting_to_slurm(cfg.cluster):  # (a SLURM request's GPUs are the plan's, not this machine's)
@@ -57,7 +59,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
     check_monitor(cfg.trainer, cfg.task, task.directions(), arrays)
     callbacks.check(cfg, dry_run=cfg.dry_run)
     optim.check(cfg)
-    _, facts = model_facts(cfg)  # checks strategy.wrap_layer against the model
+    n_params, facts = model_facts(cfg, task)  # checks strategy.wrap_layer against the model
     strategies.of(cfg).check(cfg, facts)
     if fp8.with_torchao(cfg):
         fp8.check(cfg.precision, facts.fp8_layers, facts.model_class)
@@ -66,7 +68,8 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         plan.check_memory(cfg)
         if hardware.slow_precision(cfg):
             log.warning("speed: %s", hardware.slow_precision(cfg))
-    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
+    resume_from = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg, task), cfg)
+    state = None
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
         finishing = checkpoint.export_unfinished(cfg.run_dir, resume_from, cfg.trainer.max_steps)  # (the loop says so)
@@ -79,7 +82,7 @@ def preflight(cfg: RunConfig, planning: bool = False) -> plugins.ModelFacts:
         resume.applicable_changes(cfg.resume_changes, state.get("config"), schema.to_container(cfg), f"resume={cfg.resume}: {resume_from}")
     elif cfg.resume == "auto":
         log.info("resume=auto: %s holds no checkpoint; starting fresh", cfg.run_dir)
-    return facts
+    return Prepared(cfg, task, n_params, facts, resume_from, None if state is None else state["step"])
 
 
 def launch_refusal(cfg: RunConfig) -> str | None:
@@ -165,11 +168,12 @@ def _token_in(path: Path) -> str | None:
         return None
 
 
-def write_or_wait(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
+def write_or_wait(prepared: Prepared) -> Path:
     """After `preflight`: the run dir with run.yaml (node 0), or node 0's run dir once written (other nodes)."""
+    cfg = prepared.cfg
     if cfg.cluster.node_rank > 0:
         return wait_for_run_dir(cfg)
-    path = write_run_dir(cfg, facts)
+    path = write_run_dir(prepared)
     if cfg.cluster.nodes > 1 and cfg.cluster.kind is ClusterKind.local:
         announce(cfg, path)
     return path
@@ -183,7 +187,8 @@ def taken_back_if_refused(path: Path):
     touched: a run dir may hold files of the user's."""
     existed = path.is_dir()
     before = {p.name for p in path.iterdir()} if existed else set()
-    kept = {name: (path / name).read_bytes() for name in (rundir.RUN_CONFIG, ACCELERATE_CONFIG, DEEPSPEED_CONFIG)
+    kept = {name: (path / name).read_bytes() for name in (rundir.RUN_CONFIG, rundir.PREPARED, ACCELERATE_CONFIG,
+                                                            DEEPSPEED_CONFIG)
             if (path / name).is_file()}
     recorded = rundir.result_bytes(path)
     try:
@@ -211,33 +216,37 @@ def check_free(cfg: RunConfig) -> None:
         )
 
 
-def create_run_dir(cfg: RunConfig) -> Path:
+def create_run_dir(cfg: RunConfig, resume_from: Path | None = None) -> Path:
     """Create the run dir and write run.yaml; refuse to start over a run that is there already. A run dir resumed on
-    another world or strategy keeps run.yaml's history of such moves, one comment line more."""
+    another world or strategy (from its checkpoint `resume_from`) keeps run.yaml's history of such moves, one
+    comment line more."""
     check_free(cfg)
     path = Path(cfg.run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    write_atomic(path / rundir.RUN_CONFIG, "".join(f"{line}\n" for line in moves(cfg, path)) + schema.to_yaml(cfg))
+    history = moves(cfg, path, resume_from)
+    write_atomic(path / rundir.RUN_CONFIG, "".join(f"{line}\n" for line in history) + schema.to_yaml(cfg))
     return path
 
 
-def moves(cfg: RunConfig, path: Path) -> list[str]:
+def moves(cfg: RunConfig, path: Path, resume_from: Path | None) -> list[str]:
     """run.yaml's history lines: the earlier ones, and this resume's where its checkpoint moves."""
     from xtrain.engine import reshard
 
     history = rundir.moves_recorded(path)
-    checkpoint_path = checkpoint.resolve(cfg.resume, cfg.run_dir, checkpoint.identity(cfg), cfg)
-    if checkpoint_path is not None:
-        state = checkpoint.read_state(checkpoint_path)
-        found = reshard.moved(checkpoint_path, state, cfg)
+    if resume_from is not None:
+        state = checkpoint.read_state(resume_from)
+        found = reshard.moved(resume_from, state, cfg)
         line = f"{rundir.MOVED} at step {state['step']}: {reshard.moved_text(found)}"
         if found and history[-1:] != [line]:
             history.append(line)
     return history
 
 
-def write_run_dir(cfg: RunConfig, facts: plugins.ModelFacts) -> Path:
-    """The run dir with run.yaml and the equivalent accelerate files (after `preflight`)."""
-    path = create_run_dir(cfg)
-    export_accelerate_files(cfg, facts, path)
+def write_run_dir(prepared: Prepared) -> Path:
+    """The run dir with run.yaml, the record of what the launch found (prepared.json) and the equivalent accelerate
+    files (after `preflight`)."""
+    cfg = prepared.cfg
+    path = create_run_dir(cfg, prepared.checkpoint)
+    prepared.write(path)
+    export_accelerate_files(cfg, prepared.facts, path)
     return path

@@ -121,7 +121,7 @@ def check_same_config(point: Point) -> None:
 
 
 def check_point(point: Point, backend):
-    """Every check of a point before its run dir is written: the model's facts. A ConfigError names the point."""
+    """Every check of a point before its run dir is written, and what they found. A ConfigError names the point."""
     try:
         backend.check(point.cfg)
         return preflight.preflight(point.cfg)
@@ -131,7 +131,7 @@ def check_point(point: Point, backend):
 
 def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
     """Validate every point and write its run dir; the points still to run. Nothing starts if one is bad."""
-    todo = []  # (point, its model facts)
+    todo = []  # (point, what its checks found)
     for point in points:
         if point.cfg.resume not in ("none", "auto"):
             raise ConfigError(f"resume={point.cfg.resume}: a sweep resumes with resume=auto (each point its own run dir)")
@@ -146,8 +146,8 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
         todo.append((point, check_point(point, backend)))
     sweep_dir.mkdir(parents=True, exist_ok=True)
     rundir.add_sweep_points(sweep_dir, points)
-    for point, facts in todo:
-        preflight.write_run_dir(point.cfg, facts)
+    for _, prepared in todo:
+        preflight.write_run_dir(prepared)
     return [point for point, _ in todo]
 
 

@@ -12,24 +12,31 @@ from pathlib import Path
 
 from xtrain.config.schema import ModelSource, RunConfig, TaskKind
 from xtrain.core.files import write_atomic
+from xtrain.core.rundir import PREPARED
 from xtrain.parallel import fp8, plugins, strategies, tensor_parallel
 
 _FACTS: dict[str, tuple[int, plugins.ModelFacts]] = {}
 
 
-def model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
+def model_facts(cfg: RunConfig, task=None, run_dir: Path | None = None) -> tuple[int, plugins.ModelFacts]:
     """Parameter count and plugin facts from the model on the meta device (no memory, seconds for 70B).
-    Kept per model for the process (a sweep's points mostly share theirs) and, for a language model built from
-    config, in the data cache: a launch reads them there without importing the model's code (2 s)."""
-    key = repr((cfg.task.name, cfg.model, cfg.data, cfg.strategy.name, vars(cfg.strategy).get("wrap_layer"), cfg.precision))
+    Kept per model for the process (a sweep's points mostly share theirs), in the run dir for its ranks
+    (`run_dir`'s prepared.json, where the driver wrote them for these settings) and, for a language model built
+    from config, in the data cache: a launch reads them there without importing the model's code (2 s). `task`:
+    the run's, where it has one already."""
+    key = facts_key(cfg)
+    if key not in _FACTS and run_dir is not None:
+        recorded = recorded_facts(run_dir, key)
+        if recorded is not None:
+            _FACTS[key] = recorded
     if key not in _FACTS:
         stored = _stored(cfg, key)
-        _FACTS[key] = _read(stored) if stored is not None and stored.exists() else _model_facts(cfg)
+        _FACTS[key] = _read(stored) if stored is not None and stored.exists() else _model_facts(cfg, task)
         if stored is not None and not stored.exists() and not cfg.dry_run:  # (a dry run writes nothing)
             n_params, facts = _FACTS[key]
             with contextlib.suppress(OSError):  # (a cache it may only read, e.g. a team's prepared data)
                 stored.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(stored, json.dumps({"parameters": n_params, "facts": dataclasses.asdict(facts)}))
+                write_atomic(stored, json.dumps(as_record(n_params, facts, key)))
     return _FACTS[key]
 
 
@@ -55,16 +62,39 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _read(path: Path) -> tuple[int, plugins.ModelFacts]:
-    stored = json.loads(path.read_text())
+def facts_key(cfg: RunConfig) -> str:
+    """What a model's facts follow from: another model, data, strategy, wrapped block or precision reads them anew."""
+    return repr((cfg.task.name, cfg.model, cfg.data, cfg.strategy.name, vars(cfg.strategy).get("wrap_layer"),
+                 cfg.precision))
+
+
+def as_record(n_params: int, facts: plugins.ModelFacts, key: str) -> dict:
+    return {"facts_key": key, "parameters": n_params, "facts": dataclasses.asdict(facts)}
+
+
+def _from_record(stored: dict) -> tuple[int, plugins.ModelFacts]:
     facts = stored["facts"]
     return stored["parameters"], plugins.ModelFacts(**{**facts, "fp8_layers": tuple(facts["fp8_layers"])})
 
 
-def _model_facts(cfg: RunConfig) -> tuple[int, plugins.ModelFacts]:
+def _read(path: Path) -> tuple[int, plugins.ModelFacts]:
+    return _from_record(json.loads(path.read_text()))
+
+
+def recorded_facts(run_dir: Path, key: str) -> tuple[int, plugins.ModelFacts] | None:
+    """The model's facts the driver wrote into the run dir for the settings of `key`; None where it holds none for
+    them (a run dir written before, or by hand)."""
+    try:
+        record = json.loads((Path(run_dir) / PREPARED).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    return _from_record(record) if record.get("facts_key") == key else None
+
+
+def _model_facts(cfg: RunConfig, task=None) -> tuple[int, plugins.ModelFacts]:
     from xtrain.tasks.registry import task_for
 
-    meta = task_for(cfg).on_meta()
+    meta = (task or task_for(cfg)).on_meta()
     n_params = sum(p.numel() for p in meta.parameters())
     wrap = strategies.of(cfg).wrap_layer(cfg, meta)
     trainable, quantized = None, 0

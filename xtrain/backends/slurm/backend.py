@@ -60,11 +60,11 @@ def run(cfg: RunConfig) -> dict:
         print(describe(cfg))
         return {"dry_run": True}
     check(cfg)
-    facts = preflight.preflight(cfg)
+    prepared = preflight.preflight(cfg)
     folder = Path(cfg.run_dir) / LOGS
     # sbatch refused (or the controller went away since the checks): the run dir as it was
     with preflight.taken_back_if_refused(Path(cfg.run_dir)):
-        path = preflight.write_run_dir(cfg, facts)
+        path = preflight.write_run_dir(prepared)
         log.info("%s", request_line(cfg.cluster))
         [job] = submit([(job_parameters(cfg.cluster), [path])], folder)
     log.info("submitted SLURM job %s: run dir %s", job.job_id, path)
