@@ -311,7 +311,9 @@ def test_counts_and_arrays_on_two_processes_are_one_processs(project, tmp_path):
     for processes in (1, 2):
         xtrain_in_process(str(two), f"num_processes={processes}", cwd=project, command="xtrain.eval")
         evaluated[processes] = json.loads((two / "eval.json").read_text())["val"]
+    loss = {processes: numbers.pop("loss") for processes, numbers in evaluated.items()}
     assert evaluated[2] == evaluated[1] and evaluated[2]["counted"] == 36
+    assert loss[2] == pytest.approx(loss[1], rel=1e-6)  # a float32 mean summed in another order on 2 ranks
     assert sum(map(sum, evaluated[2]["confusion"])) == 36
 
 

@@ -268,6 +268,8 @@ def keep_effective_batch(cfg):
     (resume.py)."""
     from xtrain.engine import resume
 
+    if cfg.resume == "none":
+        return cfg
     try:
         path = resolve(cfg.resume, cfg.run_dir, identity(cfg), cfg)
     except ConfigError:
