@@ -26,12 +26,16 @@ TINY = ["trainer.max_steps=6", "trainer.warmup_steps=1", "trainer.log_every=2", 
         "trainer.save_every=3", "trainer.batch_size=4"]
 
 
+RUNS = 600  # seconds a tiny job nobody waited for may take on a loaded machine (its start imports torch)
+
+
 def job_id(run_dir: Path) -> str:
     return json.loads((run_dir / "slurm.json").read_text())["job_id"]
 
 
 def sacct_state(job: str, timeout: float = 20) -> str:
-    """Accounting's final state of a job (it lags a few seconds behind the job's end)."""
+    """Accounting's final state of a job (it lags a few seconds behind the job's end). A job nobody waited for is
+    still running when this is asked: give it the time the job takes (`timeout=RUNS`)."""
     for _ in range(int(timeout / 0.2)):
         out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,State"], capture_output=True,
                              text=True).stdout
@@ -195,7 +199,7 @@ def test_not_waiting_returns_at_once_and_status_follows_the_job(tmp_path):
     assert f"submitted SLURM job {job}" in proc.stdout and "step 1 |" not in proc.stdout
     first = xtrain_in_process(str(run_dir), command="xtrain.status").stdout
     assert f"slurm            job {job}:" in first
-    sacct_state(job)
+    sacct_state(job, timeout=RUNS)
     last = xtrain_in_process(str(run_dir), command="xtrain.status").stdout
     assert last.splitlines()[0] == f"run {run_dir}: completed, step 6 of 6"
     assert f"slurm            job {job}: COMPLETED" in last and "val_loss" in last
@@ -285,7 +289,7 @@ def test_status_of_a_sweep_that_was_not_waited_for(tmp_path):
     run_xtrain("-m", f"run_dir={sweep_dir}", *SLURM, "cluster.wait=false", "trainer.seed=1,2", *TINY)
     jobs = [job_id(p) for p in sorted(sweep_dir.glob("[0-9]_*"))]
     for job in jobs:
-        sacct_state(job)
+        sacct_state(job, timeout=RUNS)
     out = xtrain_in_process(str(sweep_dir), command="xtrain.status").stdout
     rows = [line.split() for line in out.splitlines()[1:3]]
     assert [r[:3] for r in rows] == [["0_seed=1", "1", "completed"], ["1_seed=2", "2", "completed"]]
