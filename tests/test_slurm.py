@@ -33,9 +33,9 @@ def job_id(run_dir: Path) -> str:
     return json.loads((run_dir / "slurm.json").read_text())["job_id"]
 
 
-def sacct_state(job: str, timeout: float = 20) -> str:
-    """Accounting's final state of a job (it lags a few seconds behind the job's end). A job nobody waited for is
-    still running when this is asked: give it the time the job takes (`timeout=RUNS`)."""
+def sacct_state(job: str, timeout: float = 60) -> str:
+    """Accounting's final state of a job (it lags a few seconds behind the job's end, more on a loaded machine). A
+    job nobody waited for is still running when this is asked: give it the time the job takes (`timeout=RUNS`)."""
     for _ in range(int(timeout / 0.2)):
         out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job, "-o", "JobID,State"], capture_output=True,
                              text=True).stdout
