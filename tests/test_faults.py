@@ -278,6 +278,33 @@ def test_a_worker_killed_outright_is_the_rank_named(tmp_path):
     assert f"run the same command with run_dir={run_dir} resume=auto" in status(run_dir)
 
 
+def test_the_rank_killed_outright_is_named_before_the_peer_that_lost_its_connection(tmp_path):
+    """torchrun saw both fail in one poll: rank 1 killed, rank 0 raising as its collective's peer vanished. Within
+    the same second, torchrun calls the lower rank its root cause; the rank without an error of its own is named."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from xtrain.launch.supervisor import killed_rank
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs" / "errors").mkdir(parents=True)
+    (run_dir / "logs" / "errors" / "rank0.json").write_text(json.dumps({"rank": 0, "terminated": False}))
+    failures = {0: ProcessFailure(0, 101, 1, "<N/A>"), 1: ProcessFailure(1, 102, -signal.SIGKILL, "<N/A>")}
+    failures[0].timestamp = failures[1].timestamp
+    log = run_dir / "logs" / "launcher-node0.log"
+    log.write_text(f"earlier output\n{ChildFailedError('xtrain.launch.worker', failures)}\n")
+    root_cause = log.read_text().split("Root Cause")[1]
+    assert "rank      : 0 (local_rank: 0)" in root_cause  # (torchrun's own choice is the peer)
+    killed = killed_rank(log, 0, run_dir)
+    assert killed["rank"] == 1 and killed["signalled"]
+    assert killed["summary"] == "its process was killed by SIGKILL (by hand, or the kernel's OOM killer: see dmesg)"
+    failures[1] = ProcessFailure(1, 102, 1, "<N/A>")  # (rank 1 ended with a code, not a signal, and said nothing)
+    log.write_text(str(ChildFailedError("xtrain.launch.worker", failures)))
+    killed = killed_rank(log, 0, run_dir)
+    assert killed["rank"] == 1 and not killed["signalled"] and "exited with code 1" in killed["summary"]
+    (run_dir / "logs" / "errors" / "rank1.json").write_text("{}")  # both said why: their own errors decide
+    assert killed_rank(log, 0, run_dir) is None
+
+
 def test_a_full_disk_in_the_final_export_is_one_line_and_resume_auto_finishes_it(tmp_path, small_whole):
     """A tmpfs that holds the run's one checkpoint (1 MB) but not its model/ (0.3 MB more) as well."""
     once = [*SMALL, *TWELVE, "trainer.save_every=12"]

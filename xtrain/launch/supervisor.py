@@ -264,26 +264,32 @@ def recorded_its_end(result: dict, before: dict) -> bool:
     return result != before and (status in (rundir.Status.completed, rundir.Status.pruned) or stopped)
 
 
-ROOT_CAUSE = re.compile(r"Root Cause \(first observed failure\):.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
+FAILURE = re.compile(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", re.S)
 
 
-def killed_rank(launcher_log: Path, node_rank: int) -> dict | None:
-    """The rank torchrun saw fail first where it left no error of its own (killed outright: SIGKILL, the OOM killer,
-    a crash), from torchrun's report in this node's launcher log, as `rundir.first_rank_error` gives one."""
+def killed_rank(launcher_log: Path, node_rank: int, run_dir: Path) -> dict | None:
+    """The rank torchrun saw fail that left no error of its own (killed outright: SIGKILL, the OOM killer, a crash),
+    from torchrun's last report in this node's launcher log, as `rundir.first_rank_error` gives one. A rank killed
+    by a signal comes first: the ranks that failed in the same instant lost their peer in a collective (their own
+    error says "connection closed"), and torchrun's "first observed" cannot tell them apart within a second."""
     try:
-        found = ROOT_CAUSE.findall(launcher_log.read_text(errors="replace"))
+        text = launcher_log.read_text(errors="replace")
     except OSError:
         return None
-    if not found:
+    report = text[text.rfind("Failures:"):] if "Failures:" in text else ""
+    failures = [(int(r), int(e)) for r, e in FAILURE.findall(report)]
+    silent = [(r, e) for r, e in failures if not (run_dir / ERRORS_DIR / f"rank{r}.json").exists()]
+    signalled = [(r, e) for r, e in silent if e < 0]
+    if not (signalled or silent):
         return None
-    rank, exitcode = int(found[-1][0]), int(found[-1][1])
+    rank, exitcode = (signalled or silent)[-1]  # (the root cause is listed last)
     if exitcode < 0:
         how = f"was killed by {signal.Signals(-exitcode).name}"
         how += " (by hand, or the kernel's OOM killer: see dmesg)" if exitcode == -signal.SIGKILL else ""
     else:
         how = f"exited with code {exitcode} without an error of its own (a crash in native code?)"
     return {"rank": rank, "summary": f"its process {how}", "terminated": False, "config_error": False,
-            "diverged": False, "one_line": True, "traceback": "", "node": node_rank}
+            "diverged": False, "one_line": True, "traceback": "", "node": node_rank, "signalled": exitcode < 0}
 
 
 def run(cluster: ClusterConfig, run_dir: Path) -> dict:
@@ -296,8 +302,9 @@ def run(cluster: ClusterConfig, run_dir: Path) -> dict:
                          ended=lambda: recorded_its_end(rundir.read_result(run_dir), before))
         asked = stopping.requested()
     error = rundir.first_rank_error(run_dir)
-    if code > 0 and (error is None or error["terminated"]):  # (the rank that failed first could not say why)
-        error = killed_rank(run_dir / "logs" / f"launcher-node{c.node_rank}.log", c.node_rank) or error
+    killed = killed_rank(run_dir / "logs" / f"launcher-node{c.node_rank}.log", c.node_rank, run_dir) if code > 0 else None
+    if killed is not None and (error is None or error["terminated"] or killed["signalled"]):
+        error = killed  # (the rank that failed first could not say why)
     if code < 0 and error is not None and not error["terminated"]:
         code = 1  # stopped because a rank on another node failed (SLURM ends a job's tasks when one fails)
     if code < 0:
