@@ -41,6 +41,8 @@ CONFIG_GROUPS = (*GROUP_SCHEMAS, *schema.OPTION_SCHEMAS)  # every group of the r
 def register_schemas() -> None:
     make_launchers_visible()  # xtrain/conf/config.yaml names hydra/launcher=xtrain
     store = ConfigStore.instance()
+    if "run_config.yaml" in store.repo:  # (stored already by this process)
+        return
     root = OmegaConf.structured(RunConfig)
     root.model = "???"  # typed by the group option: a schema's, or a user's own by _target_
     for group in schema.OPTION_SCHEMAS:
