@@ -8,13 +8,15 @@ from pathlib import Path
 import pytest
 
 from conftest import ZERO_ON_CPU, assert_one_line_error, refusal, run_xtrain, xtrain_in_process
+from xtrain.core import runlock
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """Every file under root with a hash of its content."""
+    """Every file under root with a hash of its content (but the run lock, which a test beside this one that runs
+    a command on the same shared run holds for a moment)."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*")) if p.is_file()
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name != runlock.LOCK
     }
 
 

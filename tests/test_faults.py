@@ -18,6 +18,7 @@ import torch
 
 from conftest import (PACED, SHORT, SMALL, assert_one_line_error, logged, model_weights, read_result, run_xtrain,
                       start_xtrain, xtrain_in_process)
+from xtrain.core import runlock
 from xtrain.engine import checkpoint
 
 TWELVE = ["trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=4", "trainer.eval_every=6",
@@ -151,7 +152,7 @@ def test_a_corrupted_newest_checkpoint_is_set_aside_and_the_resume_continues_bit
         short_run, tmp_path):
     """The step-6 checkpoint is made one of before checksums were recorded: it still resumes, on its state file."""
     run_dir = tmp_path / "run"
-    shutil.copytree(short_run, run_dir)
+    shutil.copytree(short_run, run_dir, ignore=shutil.ignore_patterns(runlock.LOCK))  # (held a moment by a test beside)
     shutil.rmtree(run_dir / "model")
     corrupt(run_dir / "checkpoints" / STEP_12 / "model.safetensors", "changed")
     state_file = run_dir / "checkpoints" / STEP_6 / "xtrain_state.json"
@@ -174,7 +175,7 @@ def test_a_corrupted_newest_checkpoint_is_set_aside_and_the_resume_continues_bit
 
 def test_no_checkpoint_passing_its_check_is_refused_and_nothing_is_changed(short_run, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(short_run, run_dir)
+    shutil.copytree(short_run, run_dir, ignore=shutil.ignore_patterns(runlock.LOCK))  # (held a moment by a test beside)
     corrupt(run_dir / "checkpoints" / STEP_12 / "optimizer.bin", "truncated")
     corrupt(run_dir / "checkpoints" / STEP_6 / "random_states_0.pkl", "missing")
     before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
