@@ -33,12 +33,12 @@ strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading
 precision.name precision.fp8_backend precision.fp8_recipe precision.fp8_skip
 cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_process_ip cluster.main_process_port
-cluster.timeout_s cluster.gpu_memory_gb cluster.check_memory cluster.min_nodes cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
+cluster.timeout_s cluster.gpu_memory_gb cluster.check_memory cluster.mtbf_hours cluster.min_nodes cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
 cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
 cluster.max_requeues
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
-trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.keep_checkpoints
+trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.async_save trainer.keep_checkpoints
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
 trainer.compile trainer.compile_tuning trainer.monitor trainer.monitor_direction trainer.export trainer.early_stop_patience
 trainer.early_stop_min_delta trainer.optimizer trainer.scheduler trainer.callbacks

@@ -131,7 +131,8 @@ def test_a_custom_run_killed_and_resumed_ends_bitwise_equal_with_its_best_values
     assert proc.wait() == -signal.SIGKILL
     killed = read_result(run_dir)
     assert killed["status"] == "running"  # killed mid-run: nothing recorded an end
-    assert killed["steps"] == killed["checkpoint_step"] == 10 and 0 < killed["epoch"] < 1
+    # (written behind training, the checkpoint is recorded as published a few steps on: those steps are lost)
+    assert killed["checkpoint_step"] == 10 and 10 <= killed["steps"] < 200 and 0 < killed["epoch"] < 1
     from xtrain.commands import status
 
     text = status.run_status(run_dir)

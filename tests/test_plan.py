@@ -10,6 +10,7 @@ import pytest
 
 from conftest import assert_one_line_error, compose_run, xtrain_in_process
 from xtrain.core import machine
+from xtrain.core.memory import size
 from xtrain.core.errors import ConfigError
 from xtrain.tasks.facts import model_facts
 from xtrain.parallel import estimate, plugins
@@ -135,14 +136,30 @@ def per_process(*overrides) -> float:
     return estimate.device_memory(n_params, cfg, facts).total / GB
 
 
+def staging(*overrides) -> float:
+    """The host bytes a node's asynchronous saves (on by default) stage: counted with its processes' on a CPU."""
+    from xtrain.parallel import strategies
+
+    cfg = compose_run(*overrides)
+    n_params, facts = model_facts(cfg)
+    memory = estimate.device_memory(n_params, cfg, facts)
+    assert cfg.trainer.async_save is True
+    return strategies.of(cfg).staged_per_node(cfg, memory.params, memory.optimizer)
+
+
+def staged(*overrides) -> str:
+    return f" + {size(staging(*overrides))} staging"
+
+
 def short_of_memory(ram: float, has: str | None = None) -> str:
     """What the plan says of BIG on a machine of `ram` GB (`has`: how the plan names them, where not RAM): the largest
-    micro-batch whose 2 processes fit."""
+    micro-batch whose 2 processes fit beside the staged copy."""
     batch = 16
-    while 2 * per_process(*BIG, f"trainer.batch_size={batch}") > ram:
+    while 2 * per_process(*BIG, f"trainer.batch_size={batch}") + staging(*BIG) / GB > ram:
         batch //= 2
     assert 2 * per_process(*BIG) > ram and batch >= 1
-    return (f"{per_process(*BIG):.2f} GB x 2 processes > {has or f'{ram:.2f} GB RAM'}; trainer.batch_size={batch} "
+    return (f"{per_process(*BIG):.2f} GB x 2 processes{staged(*BIG)} > {has or f'{ram:.2f} GB RAM'}; "
+            f"trainer.batch_size={batch} "
             f"trainer.grad_accum={16 // batch} would ({per_process(*BIG, f'trainer.batch_size={batch}'):.2f} GB x 2 "
             "processes)")
 
@@ -154,7 +171,7 @@ def test_a_dry_run_on_a_cpu_plans_against_the_machines_memory_shared_by_its_proc
     small = ["cluster.num_processes=2"]
     out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *small).stdout
     assert "memory       per process: weights" in out
-    assert f"fits         yes: {per_process(*small):.2f} GB x 2 processes of {ram:.2f} GB RAM (no GPU: the run " \
+    assert f"fits         yes: {per_process(*small):.2f} GB x 2 processes{staged(*small)} of {ram:.2f} GB RAM (no GPU: the run " \
            "trains on this machine's CPU)" in out
 
     out = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "dry_run=true", *BIG).stdout
@@ -283,7 +300,8 @@ def test_a_slurm_job_on_cpus_plans_against_its_nodes_memory_shared_by_their_proc
     out = xtrain_in_process(f"run_dir={tmp_path / 'a'}", *job, "cluster.num_processes=2", "cluster.mem_gb=4",
                             env=no_slurm_path).stdout
     assert "memory       per process: weights" in out
-    assert f"fits         yes: {per_process('cluster.num_processes=2'):.2f} GB x 2 processes of cluster.mem_gb=4 GB " \
+    assert f"fits         yes: {per_process('cluster.num_processes=2'):.2f} GB x 2 processes" \
+           f"{staged('cluster.num_processes=2')} of cluster.mem_gb=4 GB " \
            "(no GPU: the job trains on its nodes' CPUs)" in out
     out = xtrain_in_process(f"run_dir={tmp_path / 'b'}", *job, *BIG, "cluster.mem_gb=60", env=no_slurm_path).stdout
     assert f"fits         NO: {short_of_memory(60, 'cluster.mem_gb=60 GB')}" in out

@@ -13,10 +13,11 @@ from xtrain.launch import hardware
 def resolve_auto(cfg: RunConfig, parallel: int = 1) -> RunConfig:
     """Every `auto` of a composed config made concrete, as run.yaml records it: the backend's, then
     `num_processes` (one per GPU of a node; of a `parallel`th of this machine's GPUs for a sweep's points
-    run that many at a time), `trainer.fused_optimizer`, `strategy.dp_replicate` (one replica per node); a resume
+    run that many at a time), `trainer.fused_optimizer`, `trainer.async_save`, `strategy.dp_replicate` (one replica per
+    node); a resume
     on another number of processes: the `trainer.grad_accum` that keeps the checkpoint's effective batch."""
-    cfg = dims.resolve(hardware.resolve_fused(hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg),
-                                                                         parallel)))
+    cfg = hardware.resolve_processes(backend_for(cfg.cluster.kind).resolve(cfg), parallel)
+    cfg = dims.resolve(hardware.resolve_async_save(hardware.resolve_fused(cfg)))
     return checkpoint.keep_effective_batch(cfg)
 
 

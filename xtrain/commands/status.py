@@ -13,6 +13,7 @@ from pathlib import Path
 
 from xtrain.backends.slurm import monitor
 from xtrain.core import rundir
+from xtrain.engine import goodput
 from xtrain.sweeps import summary
 
 SHOWN = ["point", "status", "steps", "restarts", "train_loss", "val_loss", "tokens_per_s", "batch_sequences", "wall_time_s"]
@@ -101,6 +102,8 @@ def run_status(run_dir: Path) -> str:
     for name in (["restarts", "steps_lost"] if row["restarts"] else []) + names:
         if row.get(name, "") != "":
             lines.append(f"  {name:16} {summary.fmt(row[name])}")
+    if row.get("goodput", "") != "":
+        lines.append(f"  {'goodput':16} {goodput.text(rundir.read_result(run_dir)).removeprefix('goodput ')}")
     if row["error"]:
         lines.append(f"  error            {row['error']}")
     newest = rundir.complete_checkpoints(run_dir)[-1:]

@@ -58,6 +58,9 @@ class ClusterConfig:
     check_memory: bool = True
     """A run whose planned memory does not fit (this machine's, or the job's nodes') is refused before it starts;
     false: warned about, and started anyway (the plan's estimate is a lower bound)."""
+    mtbf_hours: Optional[float] = None
+    """Mean time between failures that end the run (a node lost, a job killed without warning), in hours, for
+    `trainer.save_every=auto`; unset, the run's own restarts tell it (see the goodput guide)."""
 
     NAMES = ()  # the options this schema is the settings of
 
@@ -74,6 +77,8 @@ class ClusterConfig:
             raise ConfigError(f"cluster.main_process_port={self.main_process_port}: must be a port number (1-65535)")
         if self.gpu_memory_gb is not None:
             positive("cluster.gpu_memory_gb", self.gpu_memory_gb)
+        if self.mtbf_hours is not None:
+            positive("cluster.mtbf_hours", self.mtbf_hours)
 
     @property
     def processes_per_node(self) -> int:

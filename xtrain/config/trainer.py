@@ -34,8 +34,18 @@ class TrainerConfig:
     """0 disables clipping."""
     eval_every: int = setting(100, free=True)
     """Evaluate every this many optimizer steps (and at step 0 and the end)."""
-    save_every: int = setting(100, free=True)
-    """Write a checkpoint every this many optimizer steps (and at the end)."""
+    save_every: Any = setting(100, free=True)
+    """Write a checkpoint every this many optimizer steps (and at the end); `auto`: the interval that loses the least
+    time to saves and failures together (Young/Daly's, from the measured time a save blocks training, the time a step
+    takes and `cluster.mtbf_hours` or the run's own restarts), chosen after a first save that measures it and again on
+    each resume; run.yaml records the number it chose."""
+    async_save: Any = setting("auto", free=True)
+    """Write checkpoints behind training: a save blocks the step only while the state is copied off the training
+    tensors (into host memory, pinned on GPUs), and its files are written while training goes on; it is published
+    (complete, verified, renamed into place) once every rank's files are in. `auto` (run.yaml records what it became):
+    on wherever it is exact (DDP, one process, FSDP2 and its meshes); off under ZeRO, whose engine writes its own
+    checkpoints in step. Host memory for one copy of each rank's model and optimizer state is held for it (the plan
+    counts it)."""
     keep_checkpoints: int = setting(2, free=True)
     """Checkpoints kept in the run dir: the newest this many."""
     log_every: int = setting(10, free=True)
@@ -94,9 +104,11 @@ class TrainerConfig:
     method named like a hook that is not one (Lightning's `on_validation_epoch_end`) is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "save_every", "log_every",
-                     "sample_max_tokens"):
+        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "log_every", "sample_max_tokens"):
             positive(f"trainer.{name}", getattr(self, name))
+        if self.save_every != "auto" and not (isinstance(self.save_every, int) and not isinstance(self.save_every, bool)
+                                               and self.save_every > 0):
+            raise ConfigError(f"trainer.save_every={self.save_every}: must be a positive number of steps, or auto")
         if self.warmup_steps is None:
             self.warmup_steps = self.max_steps // 10 if self.max_steps > 0 else 0
         for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
@@ -107,8 +119,9 @@ class TrainerConfig:
             raise ConfigError(f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         non_negative("trainer.early_stop_patience", self.early_stop_patience)
         non_negative("trainer.early_stop_min_delta", self.early_stop_min_delta)
-        if self.fused_optimizer not in (True, False, "auto"):
-            raise ConfigError(f"trainer.fused_optimizer={self.fused_optimizer}: choose auto, true or false")
+        for name in ("fused_optimizer", "async_save"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ConfigError(f"trainer.{name}={getattr(self, name)}: choose auto, true or false")
         check_target_node("trainer.optimizer", self.optimizer)
         check_target_node("trainer.scheduler", self.scheduler)
         for i, node in enumerate(self.callbacks):

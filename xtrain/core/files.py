@@ -18,6 +18,9 @@ import shutil
 import uuid
 from pathlib import Path
 
+from xtrain.core.errors import one_line
+from xtrain.core.memory import size
+
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
@@ -80,3 +83,26 @@ def replace_dir(tmp: Path, final: Path) -> None:
         os.rename(tmp, final)
         shutil.rmtree(old)
     fsync_dir(final.parent)
+
+
+def write_failure(err: Exception, what: str, where: Path, need: int, kept: str, run_dir: str | Path) -> str:
+    """Why `what` could not be written to `where`, in one line: what it needed, what is `kept`, how to go on."""
+    chain, cause = [], err
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)  # (torch.save hides it)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        free = None
+    if code == errno.ENOSPC or code is None and free is not None and free < need:
+        why = f"no space left on the device (it takes about {size(need)}, {size(free or 0)} is free)"
+    elif code == errno.EROFS:
+        why = "its filesystem is read-only"
+    elif code in (errno.EACCES, errno.EPERM):
+        why = "permission denied"
+    else:
+        why = one_line(err)
+    return (f"{what} could not be written to {where}: {why}; its partial files are removed and {kept}; make room "
+            f"(or fix that), then run the same command with run_dir={run_dir} resume=auto")

@@ -245,6 +245,13 @@ def keep_evals_until(run_dir: Path, step: int) -> None:
 
 
 MOVED = "# moved"  # run.yaml's history: a comment line for each time the run moved to another world or strategy
+AUTO_SAVE = "# save_every=auto"  # run.yaml's history: the interval save_every=auto chose (chosen again on a restart)
+
+
+def history(run_dir: Path) -> list[str]:
+    """run.yaml's history lines (`# moved ...`, `# save_every=auto ...`), oldest first."""
+    file = Path(run_dir) / RUN_CONFIG
+    return [line for line in file.read_text().splitlines() if line.startswith("# ")] if file.is_file() else []
 
 
 def moves_recorded(run_dir: Path) -> list[str]:

@@ -13,6 +13,7 @@ answers None: a user's run never takes a seam's path. The hooks, and where they 
 | `peak_tflops()` | engine/speed.py | a dense peak for a device the table lacks |
 | `linger_s()` | launch/supervisor.py | how long ranks may outlive the first one to end |
 | `spawn_ranks()` | launch/agent.py | ranks start by spawn, as on an accelerator's build of torch |
+| `before_checkpoint_write(step)` | engine/saving.py | (called) an asynchronous save's files are about to be written |
 """
 
 from __future__ import annotations

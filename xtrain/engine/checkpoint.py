@@ -11,7 +11,6 @@ takes the newest that passes, and sets the others aside (`step_XXXXXXXX.corrupt`
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import hashlib
 import json
@@ -20,8 +19,8 @@ import os
 import shutil
 from pathlib import Path
 
-from xtrain.core.errors import ConfigError, WriteFailed, one_line
-from xtrain.core.memory import size
+from xtrain.core.errors import ConfigError, WriteFailed
+from xtrain.core import files
 from xtrain.core.files import fsync_dir, replace_dir
 from xtrain.config import schema
 from xtrain.parallel import dims
@@ -298,64 +297,66 @@ def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, on
     """Every rank calls this; the main process publishes the checkpoint and prunes old ones. `only_trainable`
     (LoRA): the frozen weights are left out (they are the pretrained model's). A save that fails (the disk full,
     read-only) removes what it wrote and raises WriteFailed: the newest checkpoint before it is kept."""
-    root = checkpoints_dir(run_dir)
-    final = root / checkpoint_name(step)
-    tmp = root / f".tmp-{checkpoint_name(step)}"
+    tmp = begin(accelerator, run_dir, step)
+    try:
+        write_state(accelerator, tmp, only_trainable)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            publish(run_dir, tmp, step, state, keep)
+    except Exception as err:
+        raise failed(accelerator, err, run_dir, tmp, step) from err
+    accelerator.wait_for_everyone()
+    return checkpoints_dir(run_dir) / checkpoint_name(step)
+
+
+def begin(accelerator, run_dir: str | Path, step: int) -> Path:
+    """Every rank: the directory step `step`'s checkpoint is written into (made empty by the main process)."""
+    tmp = checkpoints_dir(run_dir) / f".tmp-{checkpoint_name(step)}"
     try:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        accelerator.wait_for_everyone()
-        hook = accelerator.register_save_state_pre_hook(_drop_frozen) if only_trainable else None
-        try:
-            with _fsdp_adapter_only(accelerator, only_trainable):
-                accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
-        finally:
-            if hook is not None:
-                hook.remove()
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            files = record_files(tmp)
-            with open(tmp / CHECKPOINT_STATE, "w") as f:
-                f.write(json.dumps({"step": step, **state, FILES: files}, indent=2))
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(tmp)
-            replace_dir(tmp, final)
     except Exception as err:
-        shutil.rmtree(tmp, ignore_errors=True)  # (any rank that failed: the space it took is given back)
-        previous = newest(run_dir)
-        need = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) if previous else _state_bytes(accelerator)
-        kept = f"{previous.name} is kept" if previous else "there is no earlier checkpoint"
-        raise WriteFailed(write_failure(err, f"the checkpoint of step {step}", root, need, kept, run_dir)) from err
-    if accelerator.is_main_process:
-        for stale in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(stale)
+        raise failed(accelerator, err, run_dir, tmp, step) from err
     accelerator.wait_for_everyone()
+    return tmp
+
+
+def write_state(accelerator, tmp: Path, only_trainable: bool) -> None:
+    """This rank's part of Accelerate's state into `tmp` (staged instead, inside `staging.deferred`)."""
+    hook = accelerator.register_save_state_pre_hook(_drop_frozen) if only_trainable else None
+    try:
+        with _fsdp_adapter_only(accelerator, only_trainable):
+            accelerator.save_state(str(tmp), **_frozen_kwargs(accelerator, only_trainable, saving=True))
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def publish(run_dir: str | Path, tmp: Path, step: int, state: dict, keep: int) -> Path:
+    """The main process, once every rank's files are in `tmp`: their sizes and digests (each file flushed to disk),
+    the state file last, the rename into place; then the oldest complete checkpoints beyond `keep` pruned."""
+    final = checkpoints_dir(run_dir) / checkpoint_name(step)
+    files = record_files(tmp)
+    with open(tmp / CHECKPOINT_STATE, "w") as f:
+        f.write(json.dumps({"step": step, **state, FILES: files}, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    replace_dir(tmp, final)
+    for stale in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(stale)
     return final
 
 
-def write_failure(err: Exception, what: str, where: Path, need: int, kept: str, run_dir: str | Path) -> str:
-    """Why `what` could not be written to `where`, in one line: what it needed, what is `kept`, how to go on."""
-    chain, cause = [], err
-    while cause is not None and len(chain) < 10:
-        chain.append(cause)
-        cause = cause.__cause__ or cause.__context__
-    code = next((e.errno for e in chain if isinstance(e, OSError) and e.errno), None)  # (torch.save hides it)
-    try:
-        free = shutil.disk_usage(where).free
-    except OSError:
-        free = None
-    if code == errno.ENOSPC or code is None and free is not None and free < need:
-        why = f"no space left on the device (it takes about {size(need)}, {size(free or 0)} is free)"
-    elif code == errno.EROFS:
-        why = "its filesystem is read-only"
-    elif code in (errno.EACCES, errno.EPERM):
-        why = "permission denied"
-    else:
-        why = one_line(err)
-    return (f"{what} could not be written to {where}: {why}; its partial files are removed and {kept}; make room "
-            f"(or fix that), then run the same command with run_dir={run_dir} resume=auto")
+def failed(accelerator, err: Exception, run_dir: str | Path, tmp: Path, step: int) -> WriteFailed:
+    """Why the save of step `step` failed, in one line; what it wrote is removed (any rank that failed: the space it
+    took is given back)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = newest(run_dir)
+    need = sum(f.stat().st_size for f in previous.rglob("*") if f.is_file()) if previous else _state_bytes(accelerator)
+    kept = f"{previous.name} is kept" if previous else "there is no earlier checkpoint"
+    return WriteFailed(files.write_failure(err, f"the checkpoint of step {step}", checkpoints_dir(run_dir), need, kept, run_dir))
 
 
 def _state_bytes(accelerator) -> int:

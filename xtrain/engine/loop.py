@@ -9,16 +9,12 @@ tokens, the eval) is the task's: the loop knows nothing of causal LMs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import os
-import shutil
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -26,11 +22,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from xtrain.config import schema
 from xtrain.config.schema import Export, Precision, RunConfig
 from xtrain.core import machine, memory, rundir, stopping
-from xtrain.core.errors import WriteFailed, one_line
-from xtrain.core.files import replace_dir
+from xtrain.core.errors import one_line
 from xtrain.core.rundir import Status
-from xtrain.parallel import compiling, dims, fp8, strategies
-from xtrain.engine import checkpoint, evaluation, pruning, reporting, reshard, resume, sampler, tracking
+from xtrain.parallel import compiling, dims, strategies
+from xtrain.engine import (cadence, checkpoint, evaluation, exporting, goodput, progress, pruning, reporting, reshard,
+                           resume, sampler, saving, tracking)
+from xtrain.engine.progress import Progress, resume_setting
 from xtrain.engine.accelerator import build_accelerator, check_setup, library_notes_quieted
 from xtrain.engine.callbacks import CALLBACK_STOP, Callbacks
 from xtrain.engine.components import build_components
@@ -49,29 +46,6 @@ log = logging.getLogger("xtrain")
 # group's own threads still disposes of the last collective's work deadlocks (that thread waits for the GIL, the main
 # thread holds it and waits for the group's lock). Seen under load: a rank that had saved its stop never exited.
 _HELD_UNTIL_EXIT: list = []
-
-
-@dataclass
-class Progress:
-    """The loop's counters; `seen` (in the task's unit) and `skipped` travel in checkpoints."""
-
-    step: int
-    seen: int
-    skipped: int  # optimizer steps the fp16 loss scaler skipped
-    window: reporting.Window = field(default_factory=reporting.Window)
-    last_finite: tuple[int, float] | None = None
-    unread: list = field(default_factory=list)  # (step, loss) of steps whose loss is still on the device
-    pruned: bool = False  # a study's pruner asked this trial to stop
-    best: dict = field(default_factory=dict)  # best_val_<metric> so far (travels in checkpoints)
-    monitor: Monitor | None = None  # trainer.monitor's best so far (travels in checkpoints)
-    early_stop: bool = False  # trainer.early_stop_patience evals without improvement
-    callback_stop: str | None = None  # a callback asked to stop (its reason)
-
-
-def resume_setting(resume: str, run_dir: Path) -> str:
-    """`resume` as run.yaml has it, except in a requeued SLURM job: that continues its own newest checkpoint."""
-    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
-    return "auto" if restarted and checkpoint.newest(run_dir) is not None else resume
 
 
 def train(run_dir: str | Path, cfg: RunConfig | None = None) -> dict:
@@ -114,6 +88,11 @@ class Run:
         model_ready = memory.peaks(accelerator)["peak_rss_bytes"]  # built, placed: before any eval or step
         last_logged, changed = self.restore()
         self.start_step = start = self.progress.step
+        self.saver = saving.Saver(accelerator, run_dir, cfg.trainer.keep_checkpoints, cfg.model.lora.enabled,
+                                  asynchronous=cfg.trainer.async_save is True)
+        self.previous = rundir.read_result(run_dir) if accelerator.is_main_process and self.resumed_here() else {}
+        self.cadence = cadence.Cadence(cfg, run_dir, accelerator, start, self.previous)
+        self.goodput = goodput.Goodput.of({}, self.process_start)
         self.finishing = start == cfg.trainer.max_steps  # (trained already: only its export is left to do)
         if self.finishing:
             log.info("resume: %s has trained all %d steps, but the run did not end: finishing its export",
@@ -131,10 +110,11 @@ class Run:
         line, eval and checkpoint where due; a stop request (a signal, the pruner, early stopping, a callback: any
         rank's) ends them at that step boundary with a checkpoint. Then the export and the final result.json."""
         t, p, c = self.cfg.trainer, self.progress, self.c
-        batches = _recording_first_batch(
+        batches = progress.recording_first_batch(
             sampler.micro_batches(self.accelerator, c.train_loader, p.step * t.grad_accum), self.accelerator, self.record
         )
         self.train_start, self.seen_at_start, stop = time.time(), p.seen, None
+        self.goodput.startup = self.train_start - self.process_start
         self.bar = bar = self.progress_bar()
         try:
             with logging_redirect_tqdm():
@@ -150,6 +130,7 @@ class Run:
                     if (signal or p.pruned or p.early_stop or p.callback_stop) and step < t.max_steps:
                         stop = self.stop_here(signal, saved)
                         break
+                self.saves_done(self.saver.wait())  # (the last save: in flight still, where asynchronous)
                 self.conclude(stop)
         except BaseException as err:
             self.record_failure(err)
@@ -211,14 +192,29 @@ class Run:
             if kept.get("model_step") == p.monitor.best_step:
                 record.kept.eval, record.kept.test = kept.get("model_eval"), kept.get("model_test")
         if self.accelerator.is_main_process:
-            if self.resumed_from is not None and self.resumed_from.parent == rundir.checkpoints_dir(run_dir):
+            if self.resumed_here():
                 record.recorded.update(rundir.continued(run_dir, p.step, last_logged, changed, self.moved,
                                                         self.set_aside))
+                redo = record.recorded["restarts"][-1]["steps_lost"]
+                self.goodput = goodput.Goodput.of(self.previous, self.process_start, redo)
             elif changed:  # resumed from another run's checkpoint
                 record.recorded["changed_from_checkpoint"] = changed
                 if self.moved:
                     record.recorded["moved_from_checkpoint"] = self.moved
-            rundir.update_result(run_dir, record.as_dict(), fresh=True)
+            self.write_result(fresh=True)
+
+    def resumed_here(self) -> bool:
+        """This attempt continues its own run dir's checkpoint (a restart, not another run's checkpoint)."""
+        return self.resumed_from is not None and self.resumed_from.parent == rundir.checkpoints_dir(self.run_dir)
+
+    def write_result(self, fresh: bool = False, measured: bool = True) -> dict:
+        """result.json as the run stands now (the main process), its goodput measured now (`measured`) or as recorded."""
+        if measured:
+            self.record.goodput = self.goodput.figures(time.time(), self.saver.blocked_s)
+        result = self.record.as_dict()
+        if self.accelerator.is_main_process:
+            rundir.update_result(self.run_dir, result, fresh=fresh)
+        return result
 
     def progress_bar(self):
         t = self.cfg.trainer
@@ -230,24 +226,28 @@ class Run:
     def first_eval(self) -> None:
         """Step 0's eval (it also checks, on every task, that each metric can take its inputs)."""
         evals = self.record.evals
-        evals.initial_val_loss = evaluation.run_eval(self.accelerator, self.cfg, self.c, 0, evals, self.run_dir)
+        with self.timed("evals"):
+            evals.initial_val_loss = evaluation.run_eval(self.accelerator, self.cfg, self.c, 0, evals, self.run_dir)
         self.judge()
         self.callbacks.call("on_validation_end", 0, self.record.as_dict(), dict(evals.latest))
 
     def step(self, batches) -> bool:
         """One optimizer step and its counters; whether any rank was asked to stop."""
         t, p, accelerator = self.cfg.trainer, self.progress, self.accelerator
-        began = time.perf_counter()
+        began, compiled = time.perf_counter(), goodput.compile_seconds()
         loss_sum, count, lr = optimizer_step(accelerator, self.c, batches, t.grad_accum, t.max_grad_norm)
         p.step += 1
-        loss_sum, per_step, signal = agree_on_step(accelerator, loss_sum, count)
+        loss_sum, per_step, signal, written, published = agree_on_step(accelerator, loss_sum, count,
+                                                                       self.saver.flags())
         p.unread.append((p.step, loss_sum))
         if self.loss_read_due(signal):
             for step, loss in read_losses(p.unread, p.last_finite, t):
                 p.window.loss_sum += loss
                 p.last_finite = (step, loss)
             p.unread.clear()
-        p.window.train_s += time.perf_counter() - began  # (a read waited for the steps: their time is in)
+        took = time.perf_counter() - began
+        p.window.train_s += took  # (a read waited for the steps: their time is in)
+        self.goodput.timed("steps", took, goodput.compile_seconds() - compiled)
         p.skipped += accelerator.optimizer_step_was_skipped
         p.window.steps += 1
         p.window.count += per_step
@@ -258,6 +258,7 @@ class Run:
             record.first_step_done(self.process_start)
         record.steps, record.skipped_steps = p.step, p.skipped
         record.epoch = sampler.epochs(p.step, t.grad_accum, self.c.train_loader)
+        self.saves_done(self.saver.poll(written, published))
         return signal
 
     def loss_read_due(self, signal: bool) -> bool:
@@ -268,7 +269,7 @@ class Run:
         t, step = self.cfg.trainer, self.progress.step
         return (signal or self.callbacks.any or self.accelerator.num_processes > 1
                 or step in (self.start_step + 1, t.max_steps)
-                or any(step % every == 0 for every in (t.log_every, t.eval_every, t.save_every)))
+                or any(step % every == 0 for every in (t.log_every, t.eval_every)) or self.cadence.due(step))
 
     def log_eval_save(self) -> bool:
         """This step's log line, eval and checkpoint, where due; True if a checkpoint was saved."""
@@ -281,14 +282,24 @@ class Run:
             self.bar.set_postfix(loss=f"{self.record.train_loss:.3f}", refresh=False)
             p.window = reporting.Window()
         if step % t.eval_every == 0 or last:
-            evaluation.run_eval(accelerator, self.cfg, c, step, self.record.evals, self.run_dir)
+            with self.timed("evals"):
+                evaluation.run_eval(accelerator, self.cfg, c, step, self.record.evals, self.run_dir)
             self.judge(last)
             p.pruned = self.pruning.decide(accelerator, step, self.record.as_dict()) and not last
             self.callbacks.call("on_validation_end", step, self.record.as_dict(), dict(self.record.evals.latest))
-        if step % t.save_every == 0 or last:
+        if self.cadence.due(step) or last:
             self.save_checkpoint()
+            self.cadence.after_save(step, self.saver.blocked_s / self.saver.saves, self.goodput.figures(
+                time.time(), self.saver.blocked_s)["step_s"] or 0.0, self.previous)
             return True
         return False
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        """The time of what runs inside, for goodput's `part` (its compile apart)."""
+        began, compiled = time.perf_counter(), goodput.compile_seconds()
+        yield
+        self.goodput.timed(part, time.perf_counter() - began, goodput.compile_seconds() - compiled)
 
     def judge(self, last: bool = False) -> None:
         """After an eval: `trainer.monitor`'s verdict (its best is `best_<monitor>`); `export=best` exports the model
@@ -308,6 +319,7 @@ class Run:
         p = self.progress
         if not saved:
             self.save_checkpoint()
+        self.saves_done(self.saver.wait())
         request = stopping.requested() or {"signal": "a stop request on another rank", "at": time.time()}
         if p.pruned and not signal:
             request = {"signal": pruning.PRUNER, "at": time.time()}
@@ -335,18 +347,22 @@ class Run:
     def record_failure(self, err: BaseException) -> None:
         """Whatever ended the run after it started, in result.json (`failed`, or `interrupted` by a signal) with its
         one-line error; the callbacks' `on_exception`."""
+        self.saver.abandon()
         stopped = isinstance(err, KeyboardInterrupt) or self.accelerator.num_processes > 1 and stopping.driver_gone()
         self.record.status = Status.interrupted if stopped else Status.failed
         self.record.error = one_line(err)
         self.callbacks.exception(self.progress.step, self.record.as_dict(), err)
-        if self.accelerator.is_main_process:
-            rundir.update_result(self.run_dir, self.record.as_dict())
+        self.write_result()
 
     def finish(self, stop: dict | None) -> dict:
         """The final result.json: completed, or stopped on request at a step boundary (resumable)."""
         accelerator, record, trainer, c = self.accelerator, self.record, self.cfg.trainer, self.c
         wall, seen = time.time() - self.train_start, self.progress.seen - self.seen_at_start
         record.peaks = memory.peaks(accelerator)
+        ended = stop is None or stop["signal"] in (EARLY_STOP, CALLBACK_STOP)
+        record.goodput = self.goodput.figures(time.time(), self.saver.blocked_s)  # (its end: the trackers' figures)
+        if ended:  # (the trackers get the whole run's goodput once, as it ends)
+            tracking.log_goodput(accelerator, record.goodput, self.progress.step)
         accelerator.end_training()  # destroys the process group: no collective after it
         if accelerator.num_processes > 1:
             _HELD_UNTIL_EXIT.append((accelerator, c))
@@ -365,14 +381,12 @@ class Run:
             record.stop, record.error = stop, f"pruned by the study's pruner at step {stop['step']}; its checkpoint is saved"
         elif stop is not None:
             record.stop, record.error = stop, f"stopped by {stop['signal']} at step {stop['step']}; its checkpoint is saved"
-        result = record.as_dict()
-        if accelerator.is_main_process:
-            rundir.update_result(self.run_dir, result)
-            if stop is None or early:
-                speed = ("model/ exported from its checkpoint" if self.finishing
-                         else reporting.speed_text(result, c.task.throughput_unit))
-                log.info("done: %d steps | %s | %s | %s", result["steps"], reporting.eval_text(result, final=True),
-                         speed, self.run_dir)
+        result = self.write_result(measured=False)
+        if accelerator.is_main_process and ended:
+            speed = ("model/ exported from its checkpoint" if self.finishing
+                     else reporting.speed_text(result, c.task.throughput_unit))
+            log.info("done: %d steps | %s | %s | %s | %s", result["steps"], reporting.eval_text(result, final=True),
+                     speed, goodput.text(result), self.run_dir)
         return result
 
     def save_checkpoint(self) -> None:
@@ -381,13 +395,21 @@ class Run:
         state = {"seen": p.seen, "skipped_steps": p.skipped, "log_window": window, "best": p.best,
                  "monitor": p.monitor.state(), **self.identity(),
                  "config": schema.to_container(cfg)}  # what it was trained with: a resume with other settings says so
-        path = checkpoint.save(self.accelerator, self.run_dir, p.step, state, cfg.trainer.keep_checkpoints,
-                               cfg.model.lora.enabled)
-        log.info("step %d | checkpoint saved: %s", p.step, path)
-        self.record.checkpoint_step = p.step
-        if self.accelerator.is_main_process:
-            rundir.update_result(self.run_dir, self.record.as_dict())
-        self.callbacks.call("on_save_checkpoint", p.step, None, path)
+        self.saves_done(self.saver.save(p.step, state))
+
+    def saves_done(self, done: list[saving.Done]) -> None:
+        """Checkpoints now complete on disk: said, recorded (what a kill from here on resumes from), called back."""
+        for save in done:
+            how = (f"training waited {save.waited_s:.2f} s" if save.waited_s >= save.write_s - 1e-3 else
+                   f"training waited {save.waited_s:.2f} s, written in {save.write_s:.2f} s behind it")
+            log.info("step %d | checkpoint saved: %s (%s)", save.step, save.path, how)
+            self.record.checkpoint_step = save.step
+        if done:
+            self.record.checkpoint_blocked_s = round(self.saver.blocked_s, 3)
+            self.record.checkpoint_saves = self.saver.saves
+            self.write_result()
+        for save in done:
+            self.callbacks.call("on_save_checkpoint", self.progress.step, None, save.path)
 
     def save_model(self) -> None:
         """The task's export (model/, with LoRA adapter/ too), each directory replacing the run dir's
@@ -401,27 +423,4 @@ class Run:
         state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
         if not accelerator.is_main_process:
             return  # (ZeRO-3 consolidates on the main process only: here it is None)
-        log.info("step %d | exporting model/", step)
-        tmp = self.run_dir / f".tmp-{rundir.MODEL}"
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            c.task.export(accelerator.unwrap_model(c.model), fp8.unwrapped(state_dict), tmp)
-            for made in sorted(tmp.iterdir()):
-                replace_dir(made, self.run_dir / made.name)
-            tmp.rmdir()
-        except Exception as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            newest = checkpoint.newest(self.run_dir)
-            kept = f"the newest checkpoint ({newest.name}) is kept" if newest else "there is no checkpoint"
-            raise WriteFailed(checkpoint.write_failure(err, f"step {step}'s {rundir.MODEL}/", self.run_dir,
-                                                       memory.parameter_bytes(c.model), kept, self.run_dir)) from err
-
-
-def _recording_first_batch(batches, accelerator: Accelerator, record: Result):
-    """Record which data each rank got first (the sum of its ids): the shards must differ."""
-    batch = next(batches)
-    ids = sum(value.sum() for value in (batch.values() if isinstance(batch, dict) else batch) if torch.is_tensor(value))
-    record.first_batch_sums = accelerator.gather(ids.reshape(1)).tolist()
-    yield batch
-    yield from batches
+        exporting.write_model(self.run_dir, c.task, accelerator.unwrap_model(c.model), state_dict, step)

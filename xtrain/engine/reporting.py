@@ -17,6 +17,7 @@ from accelerate.utils import DistributedType
 
 from xtrain.config.schema import RunConfig
 from xtrain.core import machine, memory, rundir
+from xtrain.engine.goodput import duration
 from xtrain.parallel import compiling, dims, plugins
 from xtrain.parallel.estimate import model_state_memory
 from xtrain.engine import optim, sampler
@@ -69,16 +70,6 @@ def speed_text(result: dict, unit: str) -> str:
     text = (f"{rate(result[f'{unit}_per_s'])} {unit}/s steady ({rate(result[f'{unit}_per_s_whole_run'])} over the "
             "whole run)")
     return text if result.get("mfu") is None else f"{text} | mfu {result['mfu']:.1%}"
-
-
-def duration(seconds: float) -> str:
-    """`45s`, `12m05s`, `3h07m`."""
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def rate(per_s: float) -> str:

@@ -64,6 +64,9 @@ class Result:
     first_batch_sums: list[int] | None = None  # which data each rank got first: the shards must differ
     first_step: dict = field(default_factory=dict)  # time_to_first_step_s, first_step_at
     checkpoint_step: int | None = None  # what a kill from here on resumes from
+    checkpoint_blocked_s: float | None = None  # this attempt's time training waited on saves
+    checkpoint_saves: int | None = None
+    goodput: dict = field(default_factory=dict)  # goodput, its span and breakdown (goodput.Goodput.figures)
     tested: dict[str, float] = field(default_factory=dict)  # test_<name>: the kept model's, at the end
     speed: dict = field(default_factory=dict)  # the steady rate, the whole run's, MFU (Speed.figures)
     peaks: dict = field(default_factory=dict)  # memory peaks at the end
@@ -90,12 +93,13 @@ class Result:
             **e.best, "monitor": self.monitor, "model_step": k.step, "model_eval": k.eval, "model_test": k.test,
             **e.latest, "eval_files": e.files, "eval_time_s": e.time_s, **self.first_step,
             "skipped_steps": self.skipped_steps, "epoch": self.epoch, "train_loss": self.train_loss,
-            "first_batch_sums": self.first_batch_sums, "checkpoint_step": self.checkpoint_step, **self.tested,
-            **self.peaks, **self.speed, "wall_time_s": self.wall_time_s, "train_time_s": self.train_time_s,
+            "first_batch_sums": self.first_batch_sums, "checkpoint_step": self.checkpoint_step,
+            "checkpoint_blocked_s": self.checkpoint_blocked_s, "checkpoint_saves": self.checkpoint_saves, **self.tested,
+            **self.peaks, **self.speed, **self.goodput, "wall_time_s": self.wall_time_s, "train_time_s": self.train_time_s,
             "callback_stop": self.callback_stop, "early_stop": self.early_stop, "stop": self.stop, "error": self.error,
         }
         optional = {"initial_val_loss", "monitor", "model_step", "model_eval", "model_test", "eval_files",
-                    "eval_time_s", "skipped_steps", "epoch", "train_loss", "first_batch_sums", "checkpoint_step",
+                    "eval_time_s", "skipped_steps", "epoch", "train_loss", "first_batch_sums", "checkpoint_step", "checkpoint_blocked_s", "checkpoint_saves",
                     "wall_time_s", "train_time_s", "callback_stop", "early_stop", "stop", "error"}
         return {**self.recorded, **{key: value for key, value in own.items()
                                     if not (key in optional and value is None)}}

@@ -111,3 +111,13 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[name] = value if isinstance(value, (int, float, str, bool)) or value is None else str(value)
     return out
+
+
+def log_goodput(accelerator, figures: dict, step: int) -> None:
+    """The whole run's goodput for TensorBoard and W&B, as it ends: `goodput` and each part of its span in seconds
+    (`goodput/<part>_s`). Not in metrics.jsonl, whose rows are steps and evals: result.json holds it."""
+    row = {"goodput": figures["goodput"], **{f"goodput/{part}": seconds
+                                             for part, seconds in figures["goodput_breakdown"].items()}}
+    for tracker in accelerator.trackers:
+        if tracker.name != JsonlTracker.name:
+            tracker.log(row, step=step)

@@ -56,18 +56,20 @@ def per_micro_batch(accelerator: Accelerator, task: Task, micro: list):
     return (total / len(micro)).float()
 
 
-def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor,
-                  count: int) -> tuple[torch.Tensor | float, int, bool]:
+def agree_on_step(accelerator: Accelerator, loss_sum: torch.Tensor, count: int,
+                  saving: tuple[float, float] = (1.0, 1.0)) -> tuple[torch.Tensor | float, int, bool, bool, bool]:
     """After each step: its loss summed over micro-batches (every rank's mean), the units every rank trained on,
-    and whether any rank was asked to stop. Several ranks agree in one all-reduce, read at once (each must know
-    whether to stop). One process reads nothing: its loss stays on the device for `read_losses`, since a read waits
-    for the device to finish the step, which then idles until the host has issued the next one."""
+    whether any rank was asked to stop, and whether every rank's files of the save in flight are written and
+    published (`saving`: this rank's, saving.Saver.flags). Several ranks agree in one all-reduce, read at once (each
+    must know whether to stop). One process reads nothing: its loss stays on the device for `read_losses`, since a
+    read waits for the device to finish the step, which then idles until the host has issued the next one."""
     asked = stopping.requested() is not None
     if accelerator.num_processes == 1:
-        return loss_sum, count, asked
-    own = torch.stack([loss_sum.float(), *torch.tensor([float(asked), float(count)], device=loss_sum.device)])
-    mean_loss_sum, stop, mean_count = accelerator.reduce(own, "mean").tolist()
-    return mean_loss_sum, round(mean_count * tensor_parallel.data_parallel_size(accelerator)), stop > 0
+        return loss_sum, count, asked, saving[0] == 1.0, saving[1] == 1.0
+    own = torch.stack([loss_sum.float(), *torch.tensor([float(asked), float(count), *saving], device=loss_sum.device)])
+    mean_loss_sum, stop, mean_count, written, published = accelerator.reduce(own, "mean").tolist()
+    return (mean_loss_sum, round(mean_count * tensor_parallel.data_parallel_size(accelerator)), stop > 0,
+            written == 1.0, published == 1.0)
 
 
 def read_losses(unread: list[tuple[int, torch.Tensor | float]], last_finite: tuple[int, float] | None,

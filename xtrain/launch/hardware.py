@@ -60,6 +60,18 @@ def resolve_fused(cfg: RunConfig) -> RunConfig:
     return replace(cfg, trainer=replace(t, fused_optimizer=fused))
 
 
+def resolve_async_save(cfg: RunConfig) -> RunConfig:
+    """`trainer.async_save=auto` → true wherever the strategy's checkpoints can be written behind training exactly,
+    else false; `true` where they cannot is refused (`async_save_refusal`)."""
+    t = cfg.trainer
+    why = strategies.of(cfg).async_save_refusal(cfg)
+    if t.async_save is True and why:
+        raise ConfigError(f"trainer.async_save=true: {why}; use trainer.async_save=false (or auto)")
+    if t.async_save != "auto":
+        return cfg
+    return replace(cfg, trainer=replace(t, async_save=why is None))
+
+
 def refusal(cfg: RunConfig) -> str | None:
     """Why this machine cannot run the request, or None."""
     if submitting_to_slurm(cfg.cluster):  # the nodes' GPUs are checked on the nodes, before their workers start

@@ -34,6 +34,7 @@ class Plan:
     on_cpu: bool = False  # device_memory_gb is RAM, which the processes of a machine share
     job_nodes: bool = False  # ... a SLURM job's nodes' (cluster.mem_gb), not this machine's
     optimizer_state: float | None = None  # bytes a parameter the run's own optimizer keeps (measured); None: AdamW's
+    staging: float = 0.0  # host bytes a node holds for an asynchronous save (trainer.async_save)
 
     @property
     def sharing(self) -> int:
@@ -44,7 +45,7 @@ class Plan:
     def fits(self) -> bool | None:
         if self.device_memory_gb is None:
             return None
-        return self.memory.total * self.sharing <= self.device_memory_gb * GB
+        return self.memory.total * self.sharing + (self.staging if self.on_cpu else 0) <= self.device_memory_gb * GB
 
 
 def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb: float | None = None,
@@ -58,9 +59,12 @@ def make(cfg: RunConfig, refusal: str | None, local_gpu_gb: float | None, ram_gb
     memory = device_memory(n_params, cfg, facts, state)
     on_cpu = job_nodes or ram_gb is not None and not cfg.cluster.gpu_memory_gb
     device_gb = ram_gb if on_cpu else cfg.cluster.gpu_memory_gb or local_gpu_gb
-    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu, job_nodes, state)
+    staging = (strategies.of(cfg).staged_per_node(cfg, memory.params, memory.optimizer)
+               if cfg.trainer.async_save is True else 0.0)
+    plan = Plan(cfg, n_params, facts, memory, device_gb, None, refusal, settings, on_cpu, job_nodes, state, staging)
     if plan.fits is False:
-        plan.fit = smallest_fit(n_params, cfg, facts, device_gb * GB / plan.sharing, own_strategy_only=on_cpu,
+        room = device_gb * GB - (staging if on_cpu else 0.0)  # (the staged copy is the same at any micro-batch)
+        plan.fit = smallest_fit(n_params, cfg, facts, room / plan.sharing, own_strategy_only=on_cpu,
                                 optimizer_state=state)
     return plan
 
@@ -101,6 +105,11 @@ def check_memory(cfg: RunConfig) -> None:
         return
     job = hardware.submitting_to_slurm(cfg.cluster)
     found = for_job(cfg) if job else for_this_machine(cfg)
+    host = cfg.cluster.mem_gb if job else machine.ram_bytes() / GB
+    if not found.on_cpu and host is not None and found.staging > host * GB:
+        raise ConfigError(f"trainer.async_save=true: an asynchronous save stages a copy of the checkpointed state in "
+                          f"host memory, {size(found.staging)} a node, and {'a node' if job else 'this machine'} has "
+                          f"{host:.2f} GB; use trainer.async_save=false")
     if found.fits is False:
         where = "the job's nodes" if job else "this machine"
         what = f"the plan's estimate does not fit {where}: {fits_words(found).removeprefix('NO: ')}"
@@ -150,6 +159,9 @@ def render(plan: Plan) -> str:
     if plan.facts.quantized:
         lines.append(f"               ({plan.facts.quantized:,} base weights in 4 bits: 0.5 bytes each, "
                      "no gradients or optimizer state)")
+    if plan.staging:
+        lines.append(f"  staging      {size(plan.staging)} of host memory a node: the copy an asynchronous save writes "
+                     "from (trainer.async_save)")
     lines.append(f"  fits         {fits_words(plan)}")
     lines.append(f"  runs here    {'no: ' + plan.refusal if plan.refusal else 'yes'}")
     if plan.plugin_settings:
@@ -166,7 +178,7 @@ def fits_words(plan: Plan) -> str:
         return ("unknown: set cluster.mem_gb (a node's memory) to check" if plan.job_nodes else
                 "unknown: set cluster.gpu_memory_gb to check")
     each = f" x {plan.sharing} processes" if plan.sharing > 1 else ""
-    need = size(plan.memory.total) + each
+    need = size(plan.memory.total) + each + (f" + {size(plan.staging)} staging" if plan.on_cpu and plan.staging else "")
     has = f"{plan.device_memory_gb:.2f} GB RAM" if plan.on_cpu else f"{plan.device_memory_gb:g} GB"
     if plan.job_nodes:
         has = f"cluster.mem_gb={plan.device_memory_gb:g} GB"

@@ -25,7 +25,7 @@ from xtrain.core import rundir, runlock
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
 from xtrain.parallel import fp8, plugins, strategies, zero
-from xtrain.engine import callbacks, checkpoint, optim, resume
+from xtrain.engine import callbacks, checkpoint, goodput, optim, resume
 from xtrain.launch import hardware, plan
 from xtrain.launch.prepared import Prepared
 from xtrain.tasks.facts import model_facts
@@ -82,7 +82,20 @@ def preflight(cfg: RunConfig, planning: bool = False) -> Prepared:
         resume.applicable_changes(cfg.resume_changes, state.get("config"), schema.to_container(cfg), f"resume={cfg.resume}: {resume_from}")
     elif cfg.resume == "auto":
         log.info("resume=auto: %s holds no checkpoint; starting fresh", cfg.run_dir)
+    check_failure_rate(cfg, resume_from)
     return Prepared(cfg, task, n_params, facts, resume_from, None if state is None else state["step"])
+
+
+def check_failure_rate(cfg: RunConfig, resume_from: Path | None) -> None:
+    """`trainer.save_every=auto` plans for a failure rate: `cluster.mtbf_hours`, or the failures the run dir's own
+    restarts show."""
+    if cfg.trainer.save_every != "auto" or cfg.cluster.mtbf_hours is not None:
+        return
+    own = resume_from is not None and resume_from.parent == rundir.checkpoints_dir(cfg.run_dir)
+    if goodput.observed_mtbf_s(rundir.read_result(Path(cfg.run_dir)) if own else {}) is None:
+        raise ConfigError("trainer.save_every=auto: needs the failure rate it plans for; set cluster.mtbf_hours (the "
+                          "mean hours between failures that end a run on these nodes, e.g. cluster.mtbf_hours=24), "
+                          "or a number of steps")
 
 
 def launch_refusal(cfg: RunConfig) -> str | None:

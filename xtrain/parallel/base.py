@@ -111,6 +111,16 @@ class Parallelism:
         """xtrain's AdamW steps on the GPU (so `trainer.fused_optimizer=auto` fuses it)."""
         return False
 
+    def async_save_refusal(self, cfg: RunConfig) -> str | None:
+        """Why its checkpoints cannot be written behind training (`trainer.async_save`), or None where they can,
+        exactly: Accelerate's files of this strategy, staged (engine/staging.py)."""
+        return None
+
+    def staged_per_node(self, cfg: RunConfig, weights: float, optimizer: float) -> float:
+        """Host bytes a node holds for one asynchronous save, from one device's `weights` and `optimizer` state bytes:
+        here the main process (on the first node) writes the model and its optimizer, every device's copy whole."""
+        return weights + optimizer
+
     def optimizer_on_host(self, cfg: RunConfig) -> bool:
         """The optimizer steps on the host (its states offloaded there), not where the model trains."""
         return False

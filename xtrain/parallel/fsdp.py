@@ -98,6 +98,17 @@ class Fsdp(Parallelism):
         fsdp["fsdp_transformer_layer_cls_to_wrap"] = facts.wrap_layer
         return {"distributed_type": self.accelerate_type, "use_cpu": False, "fsdp_config": fsdp}
 
+    def async_save_refusal(self, cfg: RunConfig) -> str | None:
+        if cfg.strategy.fsdp_version == 1:
+            return "FSDP1's state dicts are not staged off the GPU by xtrain (use strategy.fsdp_version=2)"
+        return None
+
+    def staged_per_node(self, cfg: RunConfig, weights: float, optimizer: float) -> float:
+        """Sharded: each process stages its own shards; full: the main process the whole gathered state."""
+        if cfg.strategy.state_dict_type is StateDictType.full:
+            return (weights + optimizer) * dims.of(cfg).dp_shard
+        return (weights + optimizer) * cfg.cluster.processes_per_node
+
     def steps_fused(self, cfg: RunConfig) -> bool:
         return not cfg.strategy.cpu_offload
 

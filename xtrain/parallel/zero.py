@@ -48,6 +48,10 @@ class Zero(Parallelism):
                 "install them (apt-get install libaio-dev) or offload to cpu instead"
             )
 
+    def async_save_refusal(self, cfg: RunConfig) -> str | None:
+        return ("DeepSpeed's engine writes ZeRO checkpoints itself, in step (its background writer, the decoupled "
+                "checkpoint engine, needs its async_io op and GPUs, and xtrain cannot verify what it leaves)")
+
     def optimizer_on_host(self, cfg: RunConfig) -> bool:
         return cfg.strategy.offload_optimizer is not Offload.none
 

@@ -21,13 +21,13 @@ from xtrain.config.task import block_tokens, known_direction
 from xtrain.core import rundir
 from xtrain.parallel import dims
 from xtrain.core.files import write_atomic
-from xtrain.engine import study_settings
+from xtrain.engine import goodput, study_settings
 
 CSV = "sweep.csv"
 MARKDOWN = "summary.md"
 PLOT = "sweep.png"
 COLUMNS = ["status", "steps", "restarts", "steps_lost", "train_loss", "val_loss", "val_ppl", "tokens_per_s", "batch_sequences",
-           "batch_tokens", "world_size", "wall_time_s", "peak_rss_mb", "peak_device_mb", "error"]
+           "batch_tokens", "world_size", "wall_time_s", "goodput", "peak_rss_mb", "peak_device_mb", "error"]
 
 
 def swept_keys(entries: list[dict]) -> list[str]:
@@ -197,6 +197,9 @@ def markdown(sweep_dir: Path, table: list[dict]) -> str:
         tie = f"; tied with {', '.join(tied)}" if tied else ""
         lines += [f"Best ({lowest} {objective}): **{top['point']}**, {objective} {fmt(scored(top, objective))}{step}"
                   f"{tie}", "", f"Points ranked by {objective}, best first:", ""]
+    total = goodput_total(sweep_dir, table)
+    if total:
+        lines += [total, ""]
     pictures = [name for name in [PLOT, *study_settings.PLOTS] if (Path(sweep_dir) / name).exists()]
     if record and pictures:
         lines += ["Pictures: " + ", ".join(f"[{name}]({name})" for name in pictures), ""]
@@ -209,6 +212,21 @@ def markdown(sweep_dir: Path, table: list[dict]) -> str:
             cells[0] = f"**{cells[0]}** (best)"
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def goodput_total(sweep_dir: Path, table: list[dict]) -> str:
+    """`Goodput 64% of the points' 41m20s: startup 21%, evals 9%, ...`: every point's parts summed, over their spans
+    summed (the points' own time; not the sweep's, whose points may run at once)."""
+    parts: dict[str, float] = {}
+    for row in table:
+        for name, seconds in (rundir.read_result(Path(sweep_dir) / row["point"]).get("goodput_breakdown") or {}).items():
+            parts[name] = parts.get(name, 0.0) + seconds
+    span = sum(parts.values())
+    if not span:
+        return ""
+    rest = goodput.shown(parts, span)
+    return (f"Goodput {parts.get('training_s', 0.0) / span:.0%} of the points' {goodput.duration(span)}"
+            + (f": {rest}" if rest else ""))
 
 
 def write(sweep_dir: Path, picture: bool = True) -> list[dict]:

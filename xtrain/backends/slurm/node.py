@@ -45,7 +45,7 @@ def run_node(run_dir: str) -> dict:
 
     A stop signal (SLURM's warning before the time limit, `scancel --signal=USR2`) ends training at a step
     boundary with a checkpoint on every node; node 0 then requeues the job, which resumes in the same run
-    dir (loop.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
+    dir (progress.resume_setting). A job requeued without warning resumes from its newest checkpoint."""
     from xtrain.core import machine, stopping
     from xtrain.launch import hardware
     from xtrain.backends import local
@@ -119,7 +119,7 @@ def on_the_nodes_given(path: Path) -> RunConfig:
         return written
     moved = (f"{rundir.MOVED} to {env.num_nodes} of the job's {written.cluster.nodes} node(s) (restart "
              f"{restart_count()}): grad_accum {written.trainer.grad_accum} -> {given.trainer.grad_accum}")
-    text = "".join(f"{line}\n" for line in [*rundir.moves_recorded(path), moved]) + schema.to_yaml(given)
+    text = "".join(f"{line}\n" for line in [*rundir.history(path), moved]) + schema.to_yaml(given)
     if env.node == 0:
         log.info("SLURM gave %d of the job's %d node(s): trainer.grad_accum %d -> %d keeps the effective batch",
                  env.num_nodes, written.cluster.nodes, written.trainer.grad_accum, given.trainer.grad_accum)
