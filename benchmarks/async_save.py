@@ -1,6 +1,7 @@
 """What a checkpoint costs training, written in step or behind it: asynchronous against synchronous saves.
 
     python benchmarks/async_save.py [--repeats 3] [--hidden 768 --layers 8] [--steps 24 --save-every 8]
+    python benchmarks/async_save.py --gpu --repeats 1 --steps 30 --save-every 10    # on a GPU: the 856 M Llama
 
 The same run twice per repeat, `trainer.async_save=true` and `=false` in turn (one process on the CPU, a GPT-2 of
 ~70 M parameters: hidden 768, 8 layers, vocabulary 16384, AdamW), each saving every `--save-every` steps. Per save
@@ -30,12 +31,20 @@ from pathlib import Path
 SAVED = re.compile(r"step (\d+) \| checkpoint saved: .* \(training waited ([\d.]+) s(?:, written in ([\d.]+) s behind it)?\)")
 
 
+# --gpu: benchmarks/gpu.py's Llama (856 M parameters), block 1024, batch 16, bf16 autocast, on the GPU
+GPU_MODEL = ["model=tiny_llama", "model.hidden_size=2048", "model.num_layers=16", "model.num_heads=16",
+             "model.intermediate_size=5632", "model.vocab_size=16384", "data.block_size=1024", "trainer.batch_size=16",
+             "precision=bf16", "data.max_val_tokens=16384"]
+
+
 def overrides_for(run_dir: Path, mode: str, args) -> list[str]:
-    return [f"run_dir={run_dir}", f"trainer.async_save={mode}", f"model.hidden_size={args.hidden}",
-                 f"model.num_layers={args.layers}", "model.num_heads=12", f"model.intermediate_size={4 * args.hidden}",
-                 "model.vocab_size=16384", "trainer.batch_size=2", f"trainer.max_steps={args.steps}",
-                 "trainer.warmup_steps=2", f"trainer.save_every={args.save_every}", f"trainer.eval_every={args.steps}",
-                 f"trainer.log_every={args.save_every}", "data.max_val_tokens=512", "trainer.keep_checkpoints=1"]
+    model = GPU_MODEL if args.gpu else [
+        f"model.hidden_size={args.hidden}", f"model.num_layers={args.layers}", "model.num_heads=12",
+        f"model.intermediate_size={4 * args.hidden}", "model.vocab_size=16384", "trainer.batch_size=2",
+        "data.max_val_tokens=512"]
+    return [f"run_dir={run_dir}", f"trainer.async_save={mode}", *model, f"trainer.max_steps={args.steps}",
+            "trainer.warmup_steps=2", f"trainer.save_every={args.save_every}", f"trainer.eval_every={args.steps}",
+            f"trainer.log_every={args.save_every}", "trainer.keep_checkpoints=1"]
 
 
 def run(run_dir: Path, mode: str, args) -> dict:
@@ -84,6 +93,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-every", type=int, default=8)
+    parser.add_argument("--gpu", action="store_true", help="benchmarks/gpu.py's 856 M Llama in bf16 on the GPU")
     args = parser.parse_args()
     pairs = []
     with tempfile.TemporaryDirectory() as root:

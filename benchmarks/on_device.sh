@@ -20,6 +20,10 @@ if [ "${BENCH_S:-420}" != 0 ]; then
     --out "$out/bench.md" 2>&1 \
     | tee "$out/bench.log"
 fi
+if [ "${ASYNC_S:-0}" != 0 ]; then  # checkpoints behind training against in step, the 856 M Llama
+  timeout "$ASYNC_S" python3 benchmarks/async_save.py --gpu --repeats 1 --steps 30 --save-every 10 2>&1 \
+    | tee "$out/async_save.log"
+fi
 if [ "${TESTS_S:-240}" != 0 ]; then
   # (SIGINT at the limit: pytest still prints the failures it has, with their tracebacks)
   timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest -m gpu -s -q -p no:cacheprovider -p benchmarks.as_it_goes \
