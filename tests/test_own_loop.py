@@ -350,6 +350,10 @@ def test_the_workers_never_outlive_a_driver_killed_outright(project, tmp_path):
             "trainer.eval_every=100000", "trainer.warmup_steps=5"]
     driver = start_xtrain(*args, "trainer.max_steps=100000", "trainer.log_every=1", quiet=True, cwd=project)
     wait_for_rows(run_dir, driver, 8)
+    deadline = time.monotonic() + 300
+    while not (run_dir / "checkpoints" / "step_00000005" / "xtrain_state.json").exists():  # (published behind training)
+        assert driver.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
     tree = [psutil.Process(driver.pid), *psutil.Process(driver.pid).children(recursive=True)]
     agent_and_forks = [p for p in tree if "xtrain.launch.agent" in p.cmdline()]
     assert len([p for p in agent_and_forks if p.ppid() in {a.pid for a in agent_and_forks}]) == 2  # a fork per rank

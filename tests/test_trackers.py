@@ -57,7 +57,10 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "xtrain", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
-    while not any(row["step"] > 6 for row in logged_rows(run_dir)):  # a step the resumed run trains again
+    published = run_dir / "checkpoints" / "step_00000006" / "xtrain_state.json"
+    # killed once step 6's checkpoint is published (written behind training) and a step after it, which the resumed
+    # run trains again, is logged
+    while not (published.exists() and any(row["step"] > 6 for row in logged_rows(run_dir))):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
