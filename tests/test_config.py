@@ -27,7 +27,8 @@ data.source data.text_column data.block_size data.val_fraction data.max_val_toke
 data.test data.files data.name data.config_name data.split data.format data.train_on data.packing data.chat_template
 task.name task.metrics task.loss task.code_dir task.num_labels task.problem task.label_column task.text_pair_column
 task.num_channels task.image_size task.augment
-strategy.name strategy.dp_replicate strategy.tp strategy.cp
+strategy.name strategy.dp_replicate strategy.tp strategy.cp strategy.pp strategy.pp_schedule strategy.pp_stage_layers
+strategy.pp_microbatches strategy.pp_virtual_stages
 strategy.offload_optimizer strategy.offload_param strategy.nvme_path strategy.deepspeed_config
 strategy.fsdp_version strategy.sharding strategy.cpu_offload strategy.wrap_layer strategy.activation_checkpointing
 strategy.state_dict_type strategy.reshard_after_forward strategy.cpu_ram_efficient_loading

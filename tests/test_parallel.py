@@ -113,7 +113,8 @@ def test_each_option_has_a_schema_of_its_own():
 
     assert [type(strategy_config(s)) for s in Strategy] == [DdpConfig, ZeroConfig, ZeroConfig, ZeroConfig, FsdpConfig]
     assert {"fsdp_version", "offload_optimizer"} & {f.name for f in dataclasses.fields(DdpConfig)} == set()
-    assert {f.name for f in dataclasses.fields(StrategyConfig)} == {"name", "dp_replicate", "tp", "cp"}
+    assert {f.name for f in dataclasses.fields(StrategyConfig)} == {"name", "dp_replicate", "tp", "cp", "pp", "pp_schedule",
+                                                                  "pp_stage_layers", "pp_microbatches", "pp_virtual_stages"}
     assert "partition" in {f.name for f in dataclasses.fields(SlurmConfig)} - {f.name for f in dataclasses.fields(LocalConfig)}
     index = schema.setting_index()
     assert (index["strategy.sharding"], index["strategy.nvme_path"], index["strategy.tp"]) == \

@@ -31,6 +31,10 @@ class FsdpSharding(Enum):
     no_shard = "no_shard"  # replicated (~ DDP)
 
 
+# a pipeline schedule's name -> torch.distributed.pipelining's class (the one list of them)
+PP_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
 class StateDictType(Enum):
     full = "full"
     sharded = "sharded"
@@ -51,6 +55,20 @@ class StrategyConfig:
     """FSDP2: tensor-parallel degree (the model's tensor-parallel plan), within a node."""
     cp: int = 1
     """Context parallelism: not supported (1)."""
+    # Pipeline parallelism (DDP or FSDP2): pp stages of the model's layers, the outermost axis of the mesh --------
+    pp: int = 1
+    """Pipeline stages: the model's layers split into `pp` consecutive stages, each on its own ranks (embeddings on
+    the first, the final norm and head on the last)."""
+    pp_schedule: str = "1f1b"
+    """How micro-batches flow through the stages: `gpipe`, `1f1b` or `interleaved_1f1b` (each rank holds
+    `pp_virtual_stages` stages, looped)."""
+    pp_stage_layers: Optional[list] = None
+    """Layers per stage, first to last (interleaved: per virtual stage); default: an even split."""
+    pp_microbatches: Optional[int] = None
+    """Micro-batches per optimizer step that flow through the pipeline (default: trainer.grad_accum); each data-
+    parallel rank's step (trainer.batch_size x trainer.grad_accum sequences) is split into this many."""
+    pp_virtual_stages: int = 2
+    """interleaved_1f1b: stages per rank."""
 
     NAMES = ()  # the strategies this schema is the settings of
 
@@ -70,6 +88,7 @@ class StrategyConfig:
                               "(one replica per node)")
         if self.tp < 1:
             raise ConfigError(f"strategy.tp={self.tp}: must be a whole number >= 1")
+        self._check_pipeline()
         for key in ("dp_replicate", "tp"):
             value = getattr(self, key)
             if value != 1 and not isinstance(self, FsdpConfig):
@@ -78,6 +97,35 @@ class StrategyConfig:
                     f"strategy.{key}={value}: {what} needs strategy=fsdp (FSDP2); {self.name.value} cannot compose "
                     f"with it here; use strategy=fsdp strategy.{key}={value}"
                 )
+
+
+    def _check_pipeline(self) -> None:
+        """The pipeline's settings on their own (what they need of the world and the model: parallel/pipeline.py)."""
+        for key in ("pp", "pp_virtual_stages", "pp_microbatches"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"strategy.{key}={value}: must be a whole number >= 1")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ConfigError(f"strategy.pp_schedule={self.pp_schedule}: no such schedule; use one of "
+                              f"{', '.join(PP_SCHEDULES)}")
+        if self.pp == 1:
+            for key, default in (("pp_stage_layers", None), ("pp_microbatches", None)):
+                if getattr(self, key) != default:
+                    raise ConfigError(f"strategy.{key}={getattr(self, key)}: a pipeline setting, and strategy.pp=1; "
+                                      f"set strategy.pp to the number of stages, or leave strategy.{key} unset")
+            return
+        if self.name.value.startswith("zero"):
+            raise ConfigError(f"strategy.pp={self.pp}: pipeline stages compose with strategy=ddp or strategy=fsdp "
+                              f"(FSDP2), not with DeepSpeed ZeRO, which partitions the whole model itself; use "
+                              f"strategy=fsdp strategy.pp={self.pp}")
+        stages = self.pp * (self.pp_virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
+        layers = self.pp_stage_layers
+        if layers is not None and (len(layers) != stages or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                                                for n in layers)):
+            what = (f"strategy.pp={self.pp} x strategy.pp_virtual_stages={self.pp_virtual_stages} stages"
+                    if stages != self.pp else f"strategy.pp={self.pp} stages")
+            raise ConfigError(f"strategy.pp_stage_layers={list(layers)}: give {stages} whole numbers >= 1 (one per "
+                              f"stage: {what}), or leave it unset for an even split")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
 from xtrain.parallel import dims, fp8, strategies
+from xtrain.parallel.base import Parallelism
 from xtrain.engine import sampler
 from xtrain.engine.optim import build_optimizer, build_scheduler
 from xtrain.tasks.base import Task
@@ -36,6 +37,7 @@ class Components:
     unit: str  # what one example is, for the log line: "blocks of 128 tokens"
     test_loader: DataLoader | None = None  # where the run has a test split
     fp8: fp8.Trained | None = None  # which linear layers train in fp8 (torchao)
+    parallelism: Parallelism | None = None  # how the model is spread over the ranks (its step, evals, export)
 
 
 def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Components:
@@ -62,17 +64,16 @@ def build_components(cfg: RunConfig, accelerator: Accelerator, task: Task) -> Co
     for p in model.parameters():
         counts[p.requires_grad] += stored_numel(p)
     n_params, n_trainable = sum(counts.values()), (counts.get(True, 0) if counts.get(False) else None)
+    n_params = parallelism.whole_parameters(model, n_params)
     test_loader = None if built.test_set is None else DataLoader(built.test_set, batch_size=t.batch_size,
                                                                   collate_fn=built.collate)
-    with parallelism.preparing(accelerator):
-        model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
-            model, optimizer, train_loader, val_loader, scheduler
-        )
-    test_loader = test_loader if test_loader is None else accelerator.prepare(test_loader)
+    model, optimizer, train_loader, val_loader, scheduler = parallelism.prepare(
+        accelerator, model, optimizer, train_loader, val_loader, scheduler)
+    test_loader = test_loader if test_loader is None else parallelism.prepare_loader(accelerator, model, test_loader)
     # the same order at any world size, without a Python list of every epoch
     sampler.lean(train_loader, dims.effective_batch(cfg))
     return Components(
         model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, val_loader=val_loader,
         task=task, n_params=n_params, n_trainable=n_trainable, n_train=len(train_set), n_val=len(val_set), unit=built.unit + built.unit_note,
-        test_loader=test_loader, fp8=fp8.trained(model) if fp8.with_torchao(cfg) else None,
+        test_loader=test_loader, fp8=fp8.trained(model) if fp8.with_torchao(cfg) else None, parallelism=parallelism,
     )

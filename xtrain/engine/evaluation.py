@@ -32,11 +32,11 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def evaluate(accelerator: Accelerator, task: Task, model, loader, keep_outputs: bool = False):
+def evaluate(accelerator: Accelerator, task: Task, model, loader, keep_outputs: bool = False, parallelism=None):
     """The task's eval loss per trained token (per example), and its metrics, over the whole split: every rank's
     part, gathered without the samples a distributed sampler pads in. A metric's value is a float, or a nested list
     (an array). Returns (the values, the gathered outputs where there are metrics or `keep_outputs` asks, else
-    None)."""
+    None). `parallelism`: the run's, where the model is one it spreads over ranks its own way (pipeline stages)."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
     outputs, targets = [], []
@@ -47,7 +47,8 @@ def evaluate(accelerator: Accelerator, task: Task, model, loader, keep_outputs: 
             outputs.append(out.cpu())
             targets.append(target.cpu())
         else:
-            sums, counts = tensor_parallel.gather_data_parallel(accelerator, task.eval_losses(model, batch))
+            sums, counts = (parallelism.eval_losses(accelerator, task, model, batch) if parallelism is not None else
+                            tensor_parallel.gather_data_parallel(accelerator, task.eval_losses(model, batch)))
         total, count = total + sums.double().sum().cpu(), count + int(counts.sum())
     model.train()
     values = {"loss": (total / count).item()}
@@ -65,7 +66,7 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, evals: Eval
     from xtrain.engine import reporting
 
     start = time.perf_counter()
-    values, _ = evaluate(accelerator, c.task, c.model, c.val_loader)
+    values, _ = evaluate(accelerator, c.task, c.model, c.val_loader, parallelism=c.parallelism)
     scalars = {name: value for name, value in values.items() if metrics.is_scalar(value)}
     epoch = sampler.epochs(step, cfg.trainer.grad_accum, c.train_loader)
     accelerator.log({**{f"val/{name}": value for name, value in scalars.items()}, "epoch": epoch}, step=step)
@@ -83,7 +84,7 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, evals: Eval
 def run_test(accelerator: Accelerator, c, step: int, run_dir: Path) -> dict:
     """The test split on the model as it is at `step` (the one `model/` is about to hold): its values as
     `test_<name>`, and `step`; its arrays saved as `evals/test_<name>/`."""
-    values, _ = evaluate(accelerator, c.task, c.model, c.test_loader)
+    values, _ = evaluate(accelerator, c.task, c.model, c.test_loader, parallelism=c.parallelism)
     arrays = {f"test_{name}": value for name, value in values.items() if not metrics.is_scalar(value)}
     if arrays and accelerator.is_main_process:
         save_arrays(run_dir, step, arrays)

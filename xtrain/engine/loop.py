@@ -420,7 +420,7 @@ class Run:
             record.kept.test = evaluation.run_test(accelerator, c, step, self.run_dir)
             if accelerator.is_main_process:
                 record.evals.files = evaluation.eval_files(self.run_dir)
-        state_dict = accelerator.get_state_dict(c.model)  # a collective where the model is sharded
+        state_dict = c.parallelism.whole_state_dict(accelerator, c.model)  # a collective where the model is spread
         if not accelerator.is_main_process:
             return  # (ZeRO-3 consolidates on the main process only: here it is None)
-        exporting.write_model(self.run_dir, c.task, accelerator.unwrap_model(c.model), state_dict, step)
+        exporting.write_model(self.run_dir, c.task, c.parallelism.whole_model(accelerator, c.model), state_dict, step)

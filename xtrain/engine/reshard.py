@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xtrain.config.schema import RunConfig
-from xtrain.parallel import strategies
-from xtrain.parallel.base import DDP_FORM, DEEPSPEED_FORM, FSDP_FULL_FORM, FSDP_SHARDED_FORM
+from xtrain.parallel import stages, strategies
+from xtrain.parallel.base import DDP_FORM, DEEPSPEED_FORM, FSDP_FULL_FORM, FSDP_SHARDED_FORM, PIPELINE_FORM
 
 if TYPE_CHECKING:
     import torch
 
-DDP, FSDP_SHARDED, FSDP_FULL, DEEPSPEED = DDP_FORM, FSDP_SHARDED_FORM, FSDP_FULL_FORM, DEEPSPEED_FORM
+DDP, FSDP_SHARDED, FSDP_FULL, DEEPSPEED, PIPELINE = (DDP_FORM, FSDP_SHARDED_FORM, FSDP_FULL_FORM, DEEPSPEED_FORM,
+                                                   PIPELINE_FORM)
 MODEL_DCP, OPTIMIZER_DCP, FSDP_FULL_MODEL, OPTIMIZER_FILE = "pytorch_model_fsdp_0", "optimizer_0", "pytorch_model_fsdp.bin", "optimizer.bin"
 DEEPSPEED_DIR = "pytorch_model"
 
@@ -38,6 +39,8 @@ def written_as(path: Path) -> str:
         return FSDP_FULL
     if (path / DEEPSPEED_DIR).is_dir():
         return DEEPSPEED
+    if stages.written(path):
+        return PIPELINE
     return DDP
 
 
@@ -62,10 +65,12 @@ def processes(path: Path, saved: dict) -> int:
 
 def moved(path: Path, saved: dict, cfg: RunConfig) -> dict:
     """What a resume changes of where the checkpoint trained: {"world": [4, 2], "strategy": ["fsdp", "ddp"],
-    "grad_accum": [1, 2]} (only what differs)."""
-    before = saved.get("config", {}).get("trainer", {}).get("grad_accum", cfg.trainer.grad_accum)
+    "pp": [2, 1], "grad_accum": [1, 2]} (only what differs)."""
+    config = saved.get("config", {})
+    before = config.get("trainer", {}).get("grad_accum", cfg.trainer.grad_accum)
     pairs = {"world": [processes(path, saved), cfg.cluster.world_size],
              "strategy": [saved.get("strategy", cfg.strategy.name.value), cfg.strategy.name.value],
+             "pp": [config.get("strategy", {}).get("pp", 1), cfg.strategy.pp],
              "grad_accum": [before, cfg.trainer.grad_accum]}
     return {key: pair for key, pair in pairs.items() if pair[0] != pair[1]}
 
@@ -86,6 +91,10 @@ def refusal(path: Path, saved: dict, cfg: RunConfig, lora: bool) -> str | None:
         return (f"a checkpoint written with {where} cannot continue under {here}: a ZeRO run resumes only its own "
                 f"stage's checkpoints at the world that wrote them; resume with strategy=ddp or strategy=fsdp (any "
                 f"number of processes), or with {where}")
+    if loads_as(cfg) == PIPELINE:
+        return (f"a checkpoint written with {where} cannot continue in pipeline stages (strategy.pp="
+                f"{cfg.strategy.pp}): a pipeline run resumes pipeline checkpoints (of any strategy.pp); resume with "
+                f"strategy.pp=1, or start the pipeline run afresh")
     if lora:
         return (f"a LoRA checkpoint written with {where} cannot continue under {here} (it holds the adapter alone); "
                 f"resume with strategy={saved.get('strategy')}")
@@ -144,6 +153,8 @@ def model_state(path: Path) -> dict[str, torch.Tensor]:
         return _dcp(path / MODEL_DCP)["model"]
     if form == FSDP_FULL:
         return torch.load(path / FSDP_FULL_MODEL, map_location="cpu", weights_only=True)
+    if form == PIPELINE:
+        return stages.read(path)[0]
     if (path / "zero").is_dir():  # universal: flat fp32 weights, shaped by DeepSpeed's record; buffers as saved
         shapes, buffers = _zero_shapes_and_buffers(path)
         return {**buffers, **{name: _universal(path, name, "fp32").reshape(shape) for name, shape in shapes.items()}}
@@ -162,6 +173,11 @@ def optimizer_state(path: Path, groups: list[list[str]]) -> dict:
     form = written_as(path)
     if form == FSDP_SHARDED:
         return _dcp(path / OPTIMIZER_DCP)["optimizer"]
+    if form == PIPELINE:  # (by name already; each stage's groups alike: a tied weight's second name left out)
+        saved = stages.read(path)[1]
+        return {"state": {name: saved["state"][name] for name in sum(groups, [])},
+                "param_groups": [{**group, "params": names} for group, names in zip(saved["param_groups"], groups,
+                                                                                     strict=True)]}
     if (path / "zero").is_dir():  # universal: each parameter's moments whole, the step and groups in common
         common = torch.load(path / "zero" / "optimizer_state.pt", map_location="cpu", weights_only=False)
         saved, (shapes, _) = common["optimizer_state_dict"], _zero_shapes_and_buffers(path)

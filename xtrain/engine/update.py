@@ -24,20 +24,8 @@ def optimizer_step(accelerator: Accelerator, c, batches, grad_accum: int, max_gr
     step the loss scaler skipped (fp16 overflow) does not advance it."""
     micro = [next(batches) for _ in range(grad_accum)]
     per = per_micro_batch(accelerator, c.task, micro)
-    loss_sum, count = torch.zeros((), device=accelerator.device), 0
     lr = c.optimizer.param_groups[0]["lr"]  # (a resume with a new lr set it there, not in the schedule's record)
-    for batch in micro:
-        count += c.task.count(batch)
-        with accelerator.accumulate(c.model):
-            loss = c.task.loss(c.model, batch, per)
-            accelerator.backward(loss)
-            if accelerator.sync_gradients and max_grad_norm > 0:
-                accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
-            c.optimizer.step()
-            c.optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss.detach()
-    if not accelerator.optimizer_step_was_skipped:
-        c.scheduler.step()
+    loss_sum, count = c.parallelism.train_step(accelerator, c, micro, per, max_grad_norm)
     return loss_sum, count, lr
 
 

@@ -201,12 +201,12 @@ def mesh_lines(cfg: RunConfig, layout: dims.ParallelDims) -> list[str]:
         return []
     per_node = cfg.cluster.processes_per_node
     lines = [f"  mesh         {layout.shape()}: {layout.words()}"]
-    for axis in dims.AXES:
+    for axis in layout.axes():
         if getattr(layout, axis) == 1:
             continue
         groups = layout.groups(axis)
         crosses = any(len({rank // per_node for rank in group}) > 1 for group in groups)
-        what = {"dp_replicate": "gradients all-reduced", "dp_shard": "weights gathered, gradients reduce-scattered",
+        what = {"pp": "activations and their gradients sent between stages", "dp_replicate": "gradients all-reduced", "dp_shard": "weights gathered, gradients reduce-scattered",
                 "tp": "activations all-reduced in every layer"}[axis]
         lines.append(f"               {axis:<12} {getattr(layout, axis)}: ranks {groups[0]}"
                      + (f" and {len(groups) - 1} more group(s) like it" if len(groups) > 1 else "")

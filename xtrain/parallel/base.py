@@ -19,6 +19,7 @@ from xtrain.parallel import dims
 
 # the forms a checkpoint's model and optimizer are written in (engine/reshard.py moves between them)
 DDP_FORM, FSDP_SHARDED_FORM, FSDP_FULL_FORM, DEEPSPEED_FORM = "ddp", "fsdp sharded", "fsdp full", "deepspeed"
+PIPELINE_FORM = "pipeline"  # each pipeline stage's weights and optimizer state, by the whole model's names
 
 
 @dataclass(frozen=True)
@@ -161,3 +162,56 @@ class Parallelism:
     def preparing(self, accelerator):
         """A context around `accelerator.prepare`."""
         return contextlib.nullcontext()
+
+    def prepare(self, accelerator, model, optimizer, train_loader, val_loader, scheduler):
+        """The model, optimizer, loaders and schedule made ready to train (Accelerate's `prepare`)."""
+        with self.preparing(accelerator):
+            return accelerator.prepare(model, optimizer, train_loader, val_loader, scheduler)
+
+    def prepare_loader(self, accelerator, model, loader):
+        """Another loader (a test split's), dealt over the ranks as the val loader is."""
+        return accelerator.prepare(loader)
+
+    def train_step(self, accelerator, c, micro: list, per, max_grad_norm: float):
+        """One optimizer step's forward and backward passes over its micro-batches, the gradients clipped, the
+        optimizer and schedule stepped (engine/update.py weights the loss: `per`); returns the micro-batches' summed
+        loss and this rank's share of the units they trained on."""
+        import torch
+
+        loss_sum, count = torch.zeros((), device=accelerator.device), 0
+        for batch in micro:
+            count += c.task.count(batch)
+            with accelerator.accumulate(c.model):
+                loss = c.task.loss(c.model, batch, per)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(c.model.parameters(), max_grad_norm)
+                c.optimizer.step()
+                c.optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach()
+        if not accelerator.optimizer_step_was_skipped:
+            c.scheduler.step()
+        return loss_sum, count
+
+    def eval_losses(self, accelerator, task, model, batch):
+        """The batch's per-sequence eval losses and counts (the task's), gathered over the data-parallel ranks."""
+        from xtrain.parallel import tensor_parallel
+
+        return tensor_parallel.gather_data_parallel(accelerator, task.eval_losses(model, batch))
+
+    def whole_state_dict(self, accelerator, model):
+        """The whole model's weights on the main process (a collective where the model is sharded)."""
+        return accelerator.get_state_dict(model)
+
+    def whole_parameters(self, model, counted: int) -> int:
+        """The whole model's parameters, from the `counted` ones of this rank's model."""
+        return counted
+
+    def whole_model(self, accelerator, model):
+        """The model whose class and config an export writes the weights as."""
+        return accelerator.unwrap_model(model)
+
+    def held_activations(self, cfg: RunConfig, per_layer: float, layers: int, final: float) -> float:
+        """Activations a device holds for backward per sequence of trainer.batch_size, from one layer's
+        (`per_layer`) and the final norm's and head's (`final`)."""
+        return per_layer * layers + final

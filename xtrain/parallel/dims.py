@@ -1,9 +1,9 @@
-"""The ranks of a run as a mesh: dp_replicate x dp_shard x tp (pp and cp held at 1 until a strategy uses them).
+"""The ranks of a run as a mesh: pp x dp_replicate x dp_shard x tp (cp held at 1 until a strategy uses it).
 
 Ranks fill the mesh in that order (tp fastest, as torch's `init_device_mesh` and Accelerate's `ParallelismConfig`
-lay it out): with 2 x 2 x 2 on 8 ranks, ranks 0-1 are one tensor-parallel group, 0,2 one shard group, 0,4 one
-replica group. Data-parallel ranks are replicas x shards: the ranks of a tensor-parallel group train on the same
-batch. Under DDP every rank is a replica, under ZeRO a shard. This is the one place the effective batch and the
+lay it out; pipeline stages outermost, as torchtitan's): with 2 x 2 x 2 on 8 ranks, ranks 0-1 are one
+tensor-parallel group, 0,2 one shard group, 0,4 one replica group; with pp=2, ranks 0-3 hold the first stage. Data-parallel ranks are replicas x shards: the ranks of a tensor-parallel group train on the same
+batch, and so do a pipeline's stages. Under DDP every rank is a replica, under ZeRO a shard. This is the one place the effective batch and the
 data-parallel size are computed.
 """
 
@@ -36,22 +36,26 @@ class ParallelDims:
 
     def effective_batch(self, batch_size: int, grad_accum: int) -> int:
         """What one optimizer step trains on (sequences, examples): the micro-batch x grad_accum x the data-parallel
-        ranks (a tensor-parallel group's ranks share one batch)."""
+        ranks (a tensor-parallel group's ranks share one batch, and a pipeline's stages)."""
         return batch_size * grad_accum * self.data_parallel
 
     @property
     def composed(self) -> bool:
-        """More than one axis (replicas of shards, or TP): the run needs Accelerate's ParallelismConfig."""
-        return self.tp > 1 or self.dp_replicate > 1 and self.dp_shard > 1
+        """More than one axis (replicas of shards, TP, pipeline stages)."""
+        return self.tp > 1 or self.pp > 1 or self.dp_replicate > 1 and self.dp_shard > 1
+
+    def axes(self) -> tuple[str, ...]:
+        return ("pp", *AXES) if self.pp > 1 else AXES
 
     def shape(self) -> str:
-        return " x ".join(str(getattr(self, axis)) for axis in AXES) + " (" + " x ".join(AXES) + ")"
+        return " x ".join(str(getattr(self, axis)) for axis in self.axes()) + " (" + " x ".join(self.axes()) + ")"
 
     def groups(self, axis: str) -> list[list[int]]:
         """The rank groups along `axis`: each a list of global ranks that differ only in that axis's index."""
-        sizes = [getattr(self, a) for a in AXES]
-        strides = [sizes[1] * sizes[2], sizes[2], 1]
-        k = AXES.index(axis)
+        names = ("pp", *AXES)
+        sizes = [getattr(self, a) for a in names]
+        strides = [sizes[1] * sizes[2] * sizes[3], sizes[2] * sizes[3], sizes[3], 1]
+        k = names.index(axis)
         groups = []
         for rank in range(self.world):
             if (rank // strides[k]) % sizes[k] == 0:
@@ -59,33 +63,37 @@ class ParallelDims:
         return groups
 
     def words(self) -> str:
-        """`HSDP: 2 replicas x 2 shards`, `FSDP x TP: 2 shards x 2-way TP`."""
+        """`HSDP: 2 replicas x 2 shards`, `FSDP x TP: 2 shards x 2-way TP`, `PP x FSDP: 2 stages x 2 shards`."""
         name = ("HSDP" if self.dp_replicate > 1 else "FSDP") + (" x TP" if self.tp > 1 else "")
         parts = [f"{self.dp_replicate} replicas"] if self.dp_replicate > 1 else []
         parts.append(f"{self.dp_shard} shards")
+        if self.pp > 1 and self.dp_shard == 1:  # (DDP's replicas of each stage)
+            name, parts = "DDP", [f"{self.dp_replicate} replica{'s' if self.dp_replicate > 1 else ''}"]
+        if self.pp > 1:
+            name, parts = f"PP x {name}", [f"{self.pp} stages", *parts]
         if self.tp > 1:
             parts.append(f"{self.tp}-way TP")
         return f"{name}: {' x '.join(parts)}"
 
     def as_dict(self) -> dict:
-        return {axis: getattr(self, axis) for axis in AXES}
+        return {axis: getattr(self, axis) for axis in self.axes()}
 
 
-def layout(strategy: str, world: int, dp_replicate=1, tp: int = 1) -> ParallelDims:
+def layout(strategy: str, world: int, dp_replicate=1, tp: int = 1, pp: int = 1) -> ParallelDims:
     """The dims of `strategy` (its name) on `world` ranks: DDP's are replicas, ZeRO's shards, FSDP2's replicas of
-    shards of tensor-parallel groups."""
+    shards of tensor-parallel groups; pipeline stages (DDP, FSDP2) divide the world first."""
     if strategy == Strategy.ddp.value:
-        return ParallelDims(dp_replicate=world)
+        return ParallelDims(dp_replicate=max(1, world // pp), pp=pp)
     if strategy != Strategy.fsdp.value:
         return ParallelDims(dp_shard=world)
     replicas = int(dp_replicate)
-    return ParallelDims(dp_replicate=replicas, dp_shard=world // (replicas * tp), tp=tp)
+    return ParallelDims(dp_replicate=replicas, dp_shard=max(1, world // (replicas * tp * pp)), tp=tp, pp=pp)
 
 
 def of(cfg: RunConfig) -> ParallelDims:
     """The run's dims (its world resolved: `cluster.num_processes` and `strategy.dp_replicate` made concrete)."""
     s = cfg.strategy
-    return layout(s.name.value, cfg.cluster.world_size, s.dp_replicate, s.tp)
+    return layout(s.name.value, cfg.cluster.world_size, s.dp_replicate, s.tp, s.pp)
 
 
 def effective_batch(cfg: RunConfig) -> int:
@@ -96,8 +104,8 @@ def recorded_effective_batch(config: dict) -> int:
     """`effective_batch` of a run.yaml read as plain data (a sweep's summary reads many: typed loading is slow)."""
     s, c, t = config["strategy"], config["cluster"], config["trainer"]
     world = c["nodes"] * int(c["num_processes"])
-    return layout(s["name"], world, s.get("dp_replicate", 1), s.get("tp", 1)).effective_batch(t["batch_size"],
-                                                                                              t["grad_accum"])
+    return layout(s["name"], world, s.get("dp_replicate", 1), s.get("tp", 1), s.get("pp", 1)).effective_batch(
+        t["batch_size"], t["grad_accum"])
 
 
 def resolve(cfg: RunConfig) -> RunConfig:

@@ -79,9 +79,12 @@ def activation_memory(cfg: RunConfig, facts) -> float | None:
     width = 4 if fp32 else 2
     norms = 6 * h * 4 if fp32 else 4 * h * 4 + 5 * h * 2
     layer = norms + ((3 * h + 2 * h_kv) / tp + 4 * i / tp) * width
-    layers = h * 4 * facts.layers + layer if strategies.of(cfg).recomputes_activations(cfg) else layer * facts.layers
-    final = 3 * h * 4 if fp32 else 2 * h * 4 + h * 2
-    per_token = layers + final + facts.vocab * 4
+    parallelism = strategies.of(cfg)
+    final = (3 * h * 4 if fp32 else 2 * h * 4 + h * 2) + facts.vocab * 4
+    if parallelism.recomputes_activations(cfg):
+        per_token = h * 4 * facts.layers + layer + final
+    else:
+        per_token = parallelism.held_activations(cfg, layer, facts.layers, final)
     return per_token * cfg.trainer.batch_size * cfg.data.block_size
 
 
@@ -99,9 +102,10 @@ _OFFLOADS = [
 
 
 def _strategies(cfg: RunConfig) -> list:
-    """The strategy settings to try: the run's own first, then every ZeRO stage and offload, and FSDP2."""
+    """The strategy settings to try: the run's own first, then every ZeRO stage and offload, and FSDP2 (a pipeline
+    run: its own, its stages kept)."""
     s = cfg.strategy
-    if s.name is Strategy.fsdp:
+    if s.name is Strategy.fsdp or s.pp > 1:
         return [s]
     users = vars(s).get("deepspeed_config")
     options = [strategy_config(name) if name is Strategy.ddp else
@@ -119,8 +123,8 @@ def _tp_options(cfg: RunConfig, strategy, facts) -> list[int]:
     world, per_node = cfg.cluster.world_size, cfg.cluster.processes_per_node
     while tp <= per_node:
         divides = all(not n or n % tp == 0 for n in (facts.heads, facts.kv_heads))
-        if divides and per_node % tp == 0 and world % (int(strategy.dp_replicate) * tp) == 0 \
-                and world // (int(strategy.dp_replicate) * tp) >= 2:
+        others = int(strategy.dp_replicate) * tp * strategy.pp  # (what dp_shard is the rest of)
+        if divides and per_node % tp == 0 and world % others == 0 and world // others >= 2:
             options.append(tp)
         tp *= 2
     return options
@@ -153,7 +157,9 @@ def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float, own_
     found = []
     for strategy in [cfg.strategy] if own_strategy_only else _strategies(cfg):
         fsdp = strategy.name is Strategy.fsdp
-        for checkpointing in ([strategy.activation_checkpointing, True] if fsdp else [None]):
+        recomputable = fsdp and strategy.pp == 1  # (pipeline stages: not with activation checkpointing)
+        for checkpointing in ([strategy.activation_checkpointing, True] if recomputable else
+                              [getattr(strategy, "activation_checkpointing", None)]):
             for tp in _tp_options(cfg, strategy, facts):
                 batch = cfg.trainer.batch_size
                 while batch >= 1:

@@ -213,7 +213,7 @@ def check_mesh(cfg: RunConfig, facts) -> None:
 def parallelism_config(cfg: RunConfig):
     """Accelerate's ParallelismConfig for a composed mesh; None where FSDP2 shards over the whole world."""
     mesh = dims.of(cfg)
-    if not mesh.composed:
+    if not mesh.composed or mesh.pp > 1:  # (a pipeline's stages are sharded by parallel/pipeline.py)
         return None
     from accelerate import ParallelismConfig
 

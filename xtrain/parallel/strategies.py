@@ -7,6 +7,7 @@ from xtrain.config.strategy import StrategyConfig
 from xtrain.parallel.base import Parallelism
 from xtrain.parallel.ddp import Ddp
 from xtrain.parallel.fsdp import Fsdp
+from xtrain.parallel.pipeline import wrap
 from xtrain.parallel.zero import STAGE, Zero
 
 BY_NAME: dict[Strategy, Parallelism] = {Strategy.ddp: Ddp(), Strategy.fsdp: Fsdp(),
@@ -14,6 +15,6 @@ BY_NAME: dict[Strategy, Parallelism] = {Strategy.ddp: Ddp(), Strategy.fsdp: Fsdp
 
 
 def of(run: RunConfig | StrategyConfig) -> Parallelism:
-    """The Parallelism of a run (or of its strategy settings)."""
+    """The Parallelism of a run (or of its strategy settings): its strategy's, in pipeline stages where pp > 1."""
     strategy = run.strategy if isinstance(run, RunConfig) else run
-    return BY_NAME[strategy.name]
+    return wrap(BY_NAME[strategy.name], strategy)
