@@ -181,6 +181,14 @@ def test_each_schedule_follows_one_process(one_process, tmp_path, schedule, over
     assert_follows(ours, one_process)
 
 
+def test_bf16_stages_follow_one_bf16_process(tmp_path):
+    """Autocast around each stage's forward and backward, as Accelerate's around a whole model (measured 2e-6)."""
+    alone = run(tmp_path / "one", *SMALL, "precision=bf16")
+    ours = run(tmp_path / "pp", *SMALL, "precision=bf16", "cluster.num_processes=2", "strategy.pp=2")
+    assert read_result(ours)["autocast"] is True
+    assert_follows(ours, alone)
+
+
 def test_a_pretrained_decoder_splits_into_stages(tmp_path):
     """A Llama-family model loaded with from_pretrained (grouped-query attention, tied embeddings), in 2 stages on 2
     processes: one process's curve."""
