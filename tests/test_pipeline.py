@@ -288,6 +288,21 @@ def test_a_pipeline_that_cannot_be_is_refused_before_launch(tmp_path, monkeypatc
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_the_splitter_does_not_know_is_refused(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    for label in ("0", "1"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(4):
+            Image.fromarray(np.zeros((8, 8), dtype=np.uint8)).save(tmp_path / "images" / label / f"{i}.png")
+    line = refusal(f"run_dir={tmp_path / 'run'}", "task=image_cls", f"data.files=[{tmp_path / 'images'}]",
+                   "task.num_labels=2", "task.num_channels=1", "strategy.pp=2", "cluster.num_processes=2",
+                   "trainer.grad_accum=2", "trainer.batch_size=2")
+    assert line.startswith("strategy.pp=2: ResNetForImageClassification is not a decoder the pipeline splitter knows")
+    assert line.endswith("use strategy.pp=1") and not (tmp_path / "run").exists()
+
+
 def test_a_checkpoint_without_stages_is_refused_by_a_pipeline_run(one_process, tmp_path):
     run_dir = killed_after(one_process, 3, tmp_path / "run")
     proc = run_xtrain(f"run_dir={run_dir}", *SMALL, "cluster.num_processes=2", "strategy.pp=2", "resume=auto",
