@@ -28,7 +28,7 @@ def test_discovery():
             "from hydra.core.plugins import Plugins; from hydra.plugins.launcher import Launcher; "
             "print(sorted(p.__name__ for p in Plugins.instance().discover(Launcher)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "'LocalLauncher', 'SlurmLauncher'" in out
+    assert "'LocalLauncher', 'RayLauncher', 'SlurmLauncher'" in out
 
 
 @pytest.fixture(autouse=True)
