@@ -1,14 +1,20 @@
 """A real Ray cluster of `--nodes` nodes on this machine, for the Ray tests: `python tests/ray_cluster.py --nodes 2
 --cpus 1 -- COMMAND...` starts it, runs COMMAND with RAY_ADDRESS set to it (and XTRAIN_RAY_ADDRESS, for the
-command's `cluster.address=`), and stops it; COMMAND's exit code is this script's. Run inside a network namespace
+command's `cluster.address=`), and stops it; COMMAND's exit code is this script's. `--lose-node-when FILE`: as soon
+as FILE exists, the last node added is lost as a machine is: every process of it killed at once (its raylet, its
+Ray workers and what they started), and the cluster told nothing. `--interrupt-when FILE`: as soon as FILE exists,
+COMMAND gets SIGINT (Ctrl-C). `--watch TEXT`: as COMMAND ends, the processes whose command line holds TEXT (a run
+dir) are counted among what is left. Run inside a network namespace
 of the test's own (`unshare -n`, loopback up): Ray binds 127.0.0.1 there, never the machine's external address."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import time
 
 
 def run_cluster() -> int:
@@ -16,31 +22,83 @@ def run_cluster() -> int:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--cpus", type=int, default=1)
     parser.add_argument("--stderr", help="a file for COMMAND's stderr (else this script's)")
+    parser.add_argument("--lose-node-when", help="a file whose existence makes the last node added lost")
+    parser.add_argument("--interrupt-when", help="a file whose existence sends COMMAND SIGINT")
+    parser.add_argument("--watch", help="processes whose command line holds this are counted as left")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
+    # (a dead node noticed within ~3 s: its health checked every second, three misses)
+    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.cpus, "node_ip_address": "127.0.0.1",
-                                                            "include_dashboard": False})
-    for _ in range(args.nodes - 1):
-        cluster.add_node(num_cpus=args.cpus, node_ip_address="127.0.0.1")
+                                                            "include_dashboard": False, "_system_config": system})
+    added = [cluster.add_node(num_cpus=args.cpus, node_ip_address="127.0.0.1") for _ in range(args.nodes - 1)]
     cluster.wait_for_nodes()
     try:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         env = {**os.environ, "RAY_ADDRESS": cluster.address}
         with open(args.stderr or os.devnull, "w") as err:
-            code = subprocess.run([arg.replace("{address}", cluster.address) for arg in command], env=env,
-                                  stderr=err if args.stderr else None).returncode
+            proc = subprocess.Popen([arg.replace("{address}", cluster.address) for arg in command], env=env,
+                                    stderr=err if args.stderr else None)
+            if args.lose_node_when:
+                lose_node_when(args.lose_node_when, cluster, added[-1], proc)
+            if args.interrupt_when and wait_for(args.interrupt_when, proc):
+                proc.send_signal(signal.SIGINT)
+            code = proc.wait()
         print(f"left: {cluster_left(cluster.address)}", flush=True)
+        if args.watch:
+            print(f"processes left: {processes_of(args.watch)}", flush=True)
         return code
     finally:
         cluster.shutdown()
 
 
+def wait_for(file: str, proc: subprocess.Popen) -> bool:
+    """`file` exists (True), or `proc` ended first (False)."""
+    while not os.path.exists(file):
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def processes_of(text: str) -> int:
+    """The processes whose command line holds `text` (a few seconds given for them to end)."""
+    import psutil
+
+    for _ in range(20):
+        found = [p for p in psutil.process_iter(["cmdline"])
+                 if p.pid != os.getpid() and any(text in arg for arg in p.info["cmdline"] or [])]
+        if not found:
+            return 0
+        time.sleep(0.5)
+    return len(found)
+
+
+def lose_node_when(file: str, cluster, node, proc: subprocess.Popen) -> None:
+    """Once `file` exists (while `proc` runs): `node` lost, every process of it killed at once."""
+    import contextlib
+
+    import psutil
+    from ray._private import ray_constants
+
+    if not wait_for(file, proc):
+        return
+    raylet = psutil.Process(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
+    tree = [raylet, *raylet.children(recursive=True)]
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGSTOP)  # (none of them acts on the others' deaths first)
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    cluster.remove_node(node, allow_graceful=False)
+    print(f"lost: a node of {len(tree)} process(es)", flush=True)
+
+
 def cluster_left(address: str) -> str:
     """What the cluster still holds: placement groups not removed, CPUs reserved (a second after, for Ray to free them)."""
-    import time
-
     import ray
     from ray.util import placement_group_table
 

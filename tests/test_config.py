@@ -37,7 +37,7 @@ cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_
 cluster.timeout_s cluster.gpu_memory_gb cluster.check_memory cluster.mtbf_hours cluster.min_nodes cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
 cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
-cluster.max_requeues cluster.address cluster.cpus_per_node
+cluster.max_requeues cluster.address cluster.cpus_per_node cluster.max_restarts
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.async_save trainer.keep_checkpoints
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
@@ -167,7 +167,7 @@ def test_a_control_character_in_what_reaches_the_sbatch_script_is_refused(overri
 
 
 def test_min_nodes_is_a_slurm_setting_within_the_nodes_that_keeps_the_effective_batch():
-    from xtrain.backends.slurm.node import on_nodes
+    from xtrain.backends.elastic import on_nodes
     from xtrain.backends.slurm.submit import job_parameters
 
     cfg = compose_run(*NO_PARTITION, "cluster.nodes=4", "cluster.min_nodes=2", "trainer.grad_accum=2")
@@ -177,9 +177,33 @@ def test_min_nodes_is_a_slurm_setting_within_the_nodes_that_keeps_the_effective_
                                           "3 processes cannot keep it .* divides 8"):
         on_nodes(cfg, 3)
     for overrides, expected in [(["cluster.nodes=2", "cluster.min_nodes=3"], "must be in [1, cluster.nodes=2]"),
-                                (["cluster=local", "cluster.min_nodes=1"], "it is a setting of cluster=slurm")]:
+                                (["cluster=local", "cluster.min_nodes=1"], "it is a setting of cluster=slurm|ray")]:
         line = refusal(*([] if "cluster=local" in overrides else NO_PARTITION), *overrides)
         assert line.startswith("cluster.min_nodes=") and expected in line, line
+
+
+def test_a_ray_run_may_continue_on_min_nodes_to_nodes_each_keeping_the_effective_batch():
+    from xtrain.backends.elastic import check_fewer, on_nodes
+
+    cfg = compose_run("cluster=ray", "cluster.nodes=4", "cluster.min_nodes=2", "trainer.grad_accum=2")
+    assert cfg.cluster.max_restarts == 10 and on_nodes(cfg, 2).trainer.grad_accum == 4
+    check_fewer(compose_run("cluster=ray", "cluster.nodes=4", "cluster.min_nodes=2", "trainer.grad_accum=3"))  # (on 3: 4)
+    with pytest.raises(ConfigError, match=r"cluster.min_nodes=2: the run trains with an effective batch .* 3 processes"):
+        check_fewer(cfg)
+    assert refusal("cluster=ray", "cluster.nodes=2", "cluster.min_nodes=3").startswith(
+        "cluster.min_nodes=3: must be in [1, cluster.nodes=2]")
+    assert refusal("cluster=ray", "cluster.max_restarts=-1") == "cluster.max_restarts=-1: must be >= 0"
+
+
+def test_a_failure_crosses_a_process_boundary_whole():
+    """What a Ray task (or any pickling hand-over) raises reaches its driver as raised: message and exit code."""
+    import pickle
+
+    from xtrain.core.errors import LaunchFailed, Stopped, SweepFailed
+
+    for err in (LaunchFailed("rank 1 failed", 7), Stopped("stopped at step 3", 10), SweepFailed(["a", "b"], 1)):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.exit_code == err.exit_code
 
 
 @pytest.mark.parametrize("override", ["cluster.partition=gpu", "cluster.time_limit=04:00:00", "cluster.wait=false",

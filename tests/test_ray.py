@@ -5,6 +5,7 @@ written."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -12,8 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import REPO, assert_one_line_error, read_metrics, read_result, run_xtrain
+from conftest import (PACED, REPO, assert_one_line_error, read_metrics, read_result, run_xtrain,
+                      xtrain_in_process)
 
 SMALL = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2", "trainer.eval_every=3",
          "trainer.save_every=3"]
@@ -23,14 +26,19 @@ SMALL = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2",
 NO_ROUTE = re.compile(r"^\[[^]]+ W \d+ \d+\] network_util\.cc:\d+: Failed to determine local IP")
 
 
-def on_ray(tmp_path: Path, *xtrain_args: str, nodes: int = 2) -> subprocess.CompletedProcess:
+def on_ray(tmp_path: Path, *xtrain_args: str, nodes: int = 2, lose_node_when: Path | None = None,
+           interrupt_when: Path | None = None, watch: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m xtrain cluster=ray ARGS` against a fresh Ray cluster of `nodes` nodes of 1 CPU each, in a network
     namespace of its own (`unshare -n`: Ray binds 127.0.0.1 there); its stderr (Ray's no-route notes left out) as
-    the result's, the cluster's own output and what it says was left on it in stdout."""
+    the result's, the cluster's own output and what it says was left on it in stdout. `lose_node_when`: a file
+    whose existence makes a node other than the head lost, every process of it killed at once; `interrupt_when`: one
+    whose existence sends the command SIGINT; `watch`: a path whose processes left are counted."""
     command = [sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", *xtrain_args]
     stderr = tmp_path / "xtrain.stderr"
+    options = {"--lose-node-when": lose_node_when, "--interrupt-when": interrupt_when, "--watch": watch}
+    losing = [arg for option, value in options.items() if value for arg in (option, str(value))]
     harness = [sys.executable, str(REPO / "tests" / "ray_cluster.py"), "--nodes", str(nodes), "--cpus", "1",
-               "--stderr", str(stderr), "--", *command]
+               "--stderr", str(stderr), *losing, "--", *command]
     script = f"ip link set lo up && exec {shlex.join(harness)}"
     proc = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, timeout=600,
                           cwd=REPO)
@@ -62,6 +70,40 @@ def test_a_2_node_ray_run_follows_the_local_2_process_run_and_leaves_nothing(tmp
         assert val == pytest.approx(val_l, rel=1e-6, abs=0) if val is not None else val_l is None
 
 
+def test_a_node_lost_mid_run_restarts_on_the_node_left_and_follows_the_unbroken_run(tmp_path):
+    """The node other than the head is lost (every process of it killed) once step 4's checkpoint is written: the
+    attempt ends, and the run restarts from that checkpoint on the one node left (`cluster.min_nodes=1`), on 1 process
+    with grad_accum 2 (the effective batch kept), along the unbroken 2-process run (the same 8 blocks a step; only the
+    order of float sums differs). The restart is recorded, the tracker's steps continue, nothing is left."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = [*PACED, "trainer.max_steps=12", "trainer.warmup_steps=2", "trainer.log_every=1", "trainer.eval_every=6",
+             "trainer.save_every=4"]
+    unbroken, ours = tmp_path / "unbroken", tmp_path / "ray"
+    run_xtrain(f"run_dir={unbroken}", "cluster.num_processes=2", *steps)
+    proc = on_ray(tmp_path, f"run_dir={ours}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.min_nodes=1",
+                  "tracker=tensorboard", *steps, lose_node_when=ours / "checkpoints" / "step_00000004" / "xtrain_state.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "lost: a node of" in proc.stdout and "left: 0 placement group(s), CPUs held 0" in proc.stdout
+    result = read_result(ours)
+    assert result["status"] == "completed" and result["world_size"] == 1 and result["steps"] == 12
+    [restart] = result["restarts"]
+    assert restart["at_step"] == 4 and restart["ended"] == "requeued" and restart["ray_restart_count"] == 1
+    assert re.match(r"lost 1 of the run.s 2 node\(s\) \(node [01] on Ray node [0-9a-f]{8}: \w+\)", restart["reason"])
+    assert restart["reason"].endswith("; restarted (restart 1 of at most 10)")
+    assert restart["moved"] == {"world": [2, 1], "grad_accum": [1, 2]} and 0 < restart["down_s"] < 120
+    assert result["steps_lost"] == restart["steps_lost"] >= 0
+    assert (ours / "run.yaml").read_text().startswith("# moved to 1 of the run's 2 node(s) (restart 1): grad_accum 1 -> 2\n")
+    losses = {r["step"]: r["train/loss"] for r in read_metrics(ours) if "train/loss" in r}
+    expected = {r["step"]: r["train/loss"] for r in read_metrics(unbroken) if "train/loss" in r}
+    assert sorted(losses) == list(range(1, 13))  # each step once: the lost steps logged again, not twice
+    assert {s: losses[s] for s in range(1, 5)} == {s: expected[s] for s in range(1, 5)}
+    assert losses == pytest.approx(expected, rel=1e-5, abs=0)
+    events = EventAccumulator(str(ours / "tensorboard" / "xtrain"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
+
+
 def test_more_nodes_than_the_cluster_has_are_refused_before_anything_is_written(tmp_path):
     proc = on_ray(tmp_path, f"run_dir={tmp_path / 'run'}", "cluster.nodes=3", "cluster.num_processes=1")
     assert_one_line_error(proc, "cluster.nodes=3: the Ray cluster at", "has 2 of its 2 live node(s) with CPU 1",
@@ -77,8 +119,130 @@ def test_an_address_where_nothing_answers_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_rendezvous_settings_and_sweeps_are_refused_under_ray(tmp_path):
+KUBERAY_SCHEMA = REPO / "tests" / "data" / "kuberay-raycluster-v1.schema.json.gz"  # (README.md there: its source)
+
+
+def test_a_dry_run_renders_a_raycluster_manifest_that_kuberays_crd_schema_accepts(tmp_path):
+    """`dry_run=true cluster.kuberay=true`: no Ray cluster asked; the whole output is YAML (the plan in its comments),
+    a RayCluster that KubeRay's own v1 CRD schema accepts, with no field the schema does not know: a worker pod a node
+    (min_nodes as minReplicas), a node's CPUs and GPUs, the run dir's folder on every pod."""
+    import gzip
+
+    import jsonschema
+
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "cluster=ray", "cluster.nodes=2", "cluster.min_nodes=1",
+                             "cluster.num_processes=2", "cluster.gpus_per_node=2", "dry_run=true", "cluster.kuberay=true")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("# xtrain plan (dry run") and not (tmp_path / "run").exists()
+    manifest = yaml.safe_load(proc.stdout)
+    schema = json.loads(gzip.decompress(KUBERAY_SCHEMA.read_bytes()))
+    jsonschema.Draft7Validator(kubernetes_schema(schema)).validate(manifest)
+    assert unknown_fields(manifest, schema) == []
+    [workers] = manifest["spec"]["workerGroupSpecs"]
+    assert (workers["replicas"], workers["minReplicas"], workers["maxReplicas"]) == (2, 1, 2)
+    [container] = workers["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"cpu": "2", "nvidia.com/gpu": "2"}
+    assert container["volumeMounts"] == [{"name": "runs", "mountPath": str(tmp_path)}]
+    assert manifest["spec"]["headGroupSpec"]["rayStartParams"] == {"num-cpus": "0"}
+    proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "cluster=ray", "cluster.kuberay=true", check=False)
+    assert_one_line_error(proc, "cluster.kuberay=true: prints KubeRay's RayCluster manifest for this run under "
+                                "dry_run=true and starts nothing")
+
+
+def kubernetes_schema(node):
+    """An OpenAPI schema of Kubernetes as JSON Schema: `x-kubernetes-int-or-string` is an integer or a string."""
+    if isinstance(node, dict):
+        node = {k: kubernetes_schema(v) for k, v in node.items()}
+        if node.get("x-kubernetes-int-or-string"):
+            node.pop("type", None)
+            node["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+        return node
+    return [kubernetes_schema(v) for v in node] if isinstance(node, list) else node
+
+
+def unknown_fields(node, schema, path: str = "") -> list[str]:
+    """The fields of `node` the schema does not name (Kubernetes drops them, where JSON Schema lets them pass)."""
+    if isinstance(node, dict) and "properties" in schema:
+        return [found for key, value in node.items() for found in
+                ([f"{path}.{key}"] if key not in schema["properties"] else
+                 unknown_fields(value, schema["properties"][key], f"{path}.{key}"))]
+    if isinstance(node, list) and "items" in schema:
+        return [found for i, value in enumerate(node) for found in unknown_fields(value, schema["items"], f"{path}[{i}]")]
+    return []
+
+
+def test_rendezvous_settings_are_refused_under_ray(tmp_path):
     proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "cluster=ray", "cluster.main_process_port=29500", check=False)
     assert_one_line_error(proc, "cluster.main_process_port=29500: Ray places the nodes")
-    proc = run_xtrain("-m", f"hydra.sweep.dir={tmp_path / 'sweep'}", "cluster=ray", "trainer.lr=1e-3,2e-3", check=False)
-    assert_one_line_error(proc, "cluster=ray: a -m sweep's points do not run on Ray yet")
+
+
+def test_a_sweep_runs_its_points_at_once_as_ray_runs_and_refuses_what_the_cluster_cannot_hold(tmp_path):
+    """Two points of one node each, both at once on the 2-node cluster (hydra.launcher.n_jobs=2): each completes as
+    the same run does here. Then two points of 2 nodes at once, which the cluster cannot hold: refused in one line
+    before anything is written."""
+    sweep, alone = tmp_path / "sweep", tmp_path / "alone"
+    run_xtrain(f"run_dir={alone}", "trainer.lr=2e-3", *SMALL)
+    proc = on_ray(tmp_path, "-m", f"hydra.sweep.dir={sweep}", "cluster.num_processes=1", "hydra.launcher.n_jobs=2",
+                  "trainer.lr=1e-3,2e-3", *SMALL)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 points at a time" in proc.stdout + proc.stderr and "left: 0 placement group(s), CPUs held 0" in proc.stdout
+    points = sorted(p for p in sweep.iterdir() if (p / "result.json").exists())
+    results = [read_result(p) for p in points]
+    assert [r["status"] for r in results] == ["completed", "completed"] and len(points) == 2
+    first, ends = [r["first_step_at"] for r in results], [(p / "result.json").stat().st_mtime for p in points]
+    assert first[0] < ends[1] and first[1] < ends[0]  # (they ran at once)
+    [point] = [p for p in points if yaml.safe_load((p / "run.yaml").read_text())["trainer"]["lr"] == 2e-3]
+    assert curve(point) == curve(alone)
+
+    refused = on_ray(tmp_path, "-m", f"hydra.sweep.dir={tmp_path / 'wide'}", "cluster.nodes=2",
+                     "cluster.num_processes=1", "hydra.launcher.n_jobs=2", "trainer.lr=1e-3,2e-3")
+    assert_one_line_error(refused, "hydra.launcher.n_jobs=2: 2 points of 2 node(s) at once need 4 nodes",
+                          "has 2 that hold a point's node; use hydra.launcher.n_jobs=1")
+    assert not (tmp_path / "wide").exists()
+
+
+def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_path):
+    """A study of 3 trials of 2 nodes each (1 process a node), the median pruner after the first: each trial's run
+    spans both nodes, and what Optuna recorded of each is what its run dir says (completed with its value, or pruned
+    at a step boundary with a checkpoint)."""
+    import optuna
+
+    from xtrain.engine import study_settings
+
+    sweep = tmp_path / "study"
+    proc = on_ray(tmp_path, "-m", f"run_dir={sweep}", "hydra/sweeper=xtrain_optuna", "hydra.sweeper.seed=0",
+                  "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_settings.n_startup_trials=1",
+                  "hydra.sweeper.pruner_settings.n_warmup_steps=4", "trainer.lr=tag(log,interval(1e-4,3.0))",
+                  "cluster.nodes=2", "cluster.num_processes=1", "trainer.max_steps=12", "trainer.warmup_steps=2",
+                  "trainer.log_every=2", "trainer.eval_every=2", "trainer.save_every=2", "trainer.batch_size=4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "left: 0 placement group(s), CPUs held 0" in proc.stdout
+    storage = study_settings.open_storage(str(sweep / study_settings.JOURNAL))
+    trials = optuna.load_study(study_name=sweep.name, storage=storage).trials
+    assert len(trials) == 3
+    for entry in json.loads((sweep / "sweep.json").read_text())["points"]:
+        result = read_result(sweep / entry["dir"])
+        trial = trials[int(entry["dir"].split("_")[0])]
+        assert result["world_size"] == 2 and len(set(result["hosts"])) == 1 and len(result["hosts"]) == 2
+        assert len(list((sweep / entry["dir"] / "logs").glob("launcher-node*.log"))) == 2  # (one torchrun a node)
+        state = {"completed": "COMPLETE", "pruned": "PRUNED", "failed": "FAIL"}[result["status"]]
+        assert trial.state.name == state, (trial.state, result.get("error"))
+        if state == "COMPLETE":
+            assert trial.value == result["val_loss"]
+        if state == "PRUNED":
+            assert (sweep / entry["dir"] / "checkpoints" / f"step_{result['stop']['step']:08d}").is_dir()
+    assert {t.state.name for t in trials} == {"COMPLETE", "PRUNED"}  # (seeded: the first completes, two pruned)
+
+
+def test_ctrl_c_cancels_a_ray_run_and_leaves_nothing_running(tmp_path):
+    """SIGINT to the driver while both nodes train: exit 130, the run recorded `interrupted` with its checkpoint
+    for resume=auto, no placement group or CPU held, and no process of the run left on any node."""
+    run_dir = tmp_path / "run"
+    proc = on_ray(tmp_path, f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", *PACED,
+                  "trainer.max_steps=400", "trainer.save_every=3", "trainer.eval_every=100",
+                  interrupt_when=run_dir / "checkpoints" / "step_00000003" / "xtrain_state.json", watch=run_dir)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert "stopped at once by Ctrl-C; to continue from the newest checkpoint" in proc.stderr
+    assert "left: 0 placement group(s), CPUs held 0" in proc.stdout and "processes left: 0" in proc.stdout
+    result = read_result(run_dir)
+    assert result["status"] == "interrupted" and result["steps"] < 400

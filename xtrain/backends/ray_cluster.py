@@ -11,14 +11,17 @@ a failure, Ctrl-C here), the tasks are cancelled and the placement group removed
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from xtrain.backends import elastic
+from xtrain.config import schema
 from xtrain.config.point import Point
 from xtrain.config.schema import RunConfig
-from xtrain.core import machine
-from xtrain.core.errors import ConfigError, LaunchFailed
+from xtrain.core import machine, rundir
+from xtrain.core.errors import ConfigError, LaunchFailed, one_line
 from xtrain.launch import plan, preflight
 
 log = logging.getLogger("xtrain")
@@ -34,12 +37,13 @@ def _ray():
 
 
 def bundle(cfg: RunConfig) -> dict[str, float]:
-    """What each node's task reserves: its CPUs (one a process, or `cluster.cpus_per_node`) and, where the machines
-    have GPUs, one a process."""
+    """What each node's task reserves: its CPUs (one a process, or `cluster.cpus_per_node`) and its GPUs
+    (`cluster.gpus_per_node`; by default one a process where this machine has GPUs)."""
     c = cfg.cluster
     reserved = {"CPU": float(c.cpus_per_node or c.processes_per_node)}
-    if machine.visible_gpus():
-        reserved["GPU"] = float(c.processes_per_node)
+    gpus = c.gpus_per_node if c.gpus_per_node is not None else c.processes_per_node if machine.visible_gpus() else 0
+    if gpus:
+        reserved["GPU"] = float(gpus)
     return reserved
 
 
@@ -93,15 +97,17 @@ def check(cfg: RunConfig) -> None:
     """The cluster has `cluster.nodes` live nodes that each hold one node's bundle. (Ray places the nodes: the
     rendezvous settings of cluster=local are not the user's to give.)"""
     c = cfg.cluster
+    if c.kuberay and not cfg.dry_run:
+        raise ConfigError("cluster.kuberay=true: prints KubeRay's RayCluster manifest for this run under dry_run=true "
+                          "and starts nothing; add dry_run=true, or drop cluster.kuberay")
     for key, default in (("node_rank", 0), ("main_process_ip", "127.0.0.1"), ("main_process_port", None)):
         if getattr(c, key) != default:
             raise ConfigError(f"cluster.{key}={getattr(c, key)}: Ray places the nodes and their rendezvous under "
                               f"cluster=ray; leave cluster.{key} unset")
-    ray = _ray()
+    elastic.check_fewer(cfg)
     connect(cfg)
     need = bundle(cfg)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    fit = [n for n in nodes if all(n.get("Resources", {}).get(k, 0) >= v for k, v in need.items())]
+    nodes, fit = [n for n in _ray().nodes() if n.get("Alive")], _fitting_nodes(cfg)
     if len(fit) < cfg.cluster.nodes:
         what = ", ".join(f"{k} {v:g}" for k, v in need.items())
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes}: the Ray cluster at {cfg.cluster.address} has "
@@ -110,12 +116,21 @@ def check(cfg: RunConfig) -> None:
 
 
 def describe(cfg: RunConfig, script: bool = True) -> str:
-    """A dry run: every check the real run makes (the cluster's nodes included), the plan, the placement group."""
+    """A dry run: every check the real run makes (the cluster's nodes included), the plan, the placement group.
+    `cluster.kuberay`: the checks that need no cluster, the plan, and a RayCluster manifest that holds the run."""
+    from xtrain.launch import hardware
+
+    if cfg.cluster.kuberay:
+        elastic.check_fewer(cfg)
+        preflight.check_free(cfg)
+        preflight.preflight(cfg, planning=True)
+        from xtrain.backends import kuberay
+
+        planned = plan.render(plan.for_this_machine(cfg, hardware.refusal(cfg)))
+        return "".join(f"# {line}\n" for line in planned.splitlines()) + kuberay.manifest(cfg)  # (all of it YAML)
     check(cfg)
     preflight.check_free(cfg)
     preflight.preflight(cfg, planning=True)
-    from xtrain.launch import hardware
-
     request = (f"ray: a placement group of {cfg.cluster.nodes} bundle(s) of "
                f"{ {k: v for k, v in bundle(cfg).items()} } (STRICT_SPREAD: one a node) at {cfg.cluster.address}")
     return "\n".join([plan.render(plan.for_this_machine(cfg, hardware.refusal(cfg))), request])
@@ -137,11 +152,86 @@ def run(cfg: RunConfig) -> dict:
     return run_job(cfg, path)
 
 
-def run_job(cfg: RunConfig, path: Path) -> dict:
+class NodeLost(Exception):
+    """An attempt ended because a node of its placement group was lost (its task died with it): `node_ids`, the
+    lost nodes' (Ray may still count them alive for a few seconds)."""
+
+    def __init__(self, message: str, node_ids: set[str]):
+        super().__init__(message)
+        self.node_ids = node_ids
+
+
+def run_job(cfg: RunConfig, path: Path, cancel=None) -> dict:
     """The written run dir trained by one task a node; the first node's result. A node's failure is the run's
-    (LaunchFailed, or its ConfigError), as on the other backends."""
+    (LaunchFailed, or its ConfigError), as on the other backends. A lost node ends the attempt; the run restarts from
+    its newest checkpoint on the live nodes (down to `cluster.min_nodes`), at most `cluster.max_restarts` times.
+    `cancel` (a threading.Event; a sweep's point): set, the run is cancelled as by Ctrl-C."""
+    import uuid
+
+    written = schema.load(str(path / rundir.RUN_CONFIG))
+    run_id, restarts, lost_ids = uuid.uuid4().hex[:12], 0, set()
+    while True:
+        attempt = _on_live_nodes(written, path, restarts, lost_ids)
+        try:
+            return _attempt(attempt, path, run_id, restarts, cancel)
+        except NodeLost as lost:
+            restarts, lost_ids = _restart_or_end(written, path, str(lost), restarts), lost_ids | lost.node_ids
+        except BaseException as err:  # (Ctrl-C here: the tasks were cancelled before they could record it)
+            interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "exit_code", 1) >= 128
+            rundir.record_end(path, rundir.Status.interrupted if interrupted else rundir.Status.failed,
+                              one_line(err), started_only=True)
+            raise
+
+
+def _restart_or_end(cfg: RunConfig, path: Path, lost: str, restarts: int) -> int:
+    """After a lost node: the restart's number, recorded in result.json; or the run's end, where it has had
+    `cluster.max_restarts`."""
+    limit = cfg.cluster.max_restarts
+    if restarts >= limit:
+        error = (f"{lost}; not restarted: the run has been restarted {restarts} time(s), cluster.max_restarts={limit}; "
+                 f"continue with run_dir={path} resume=auto")
+        rundir.update_result(path, {"status": rundir.Status.failed.value, "error": error})
+        raise LaunchFailed(error, 1)
+    log.info("%s: restarting the run from its newest checkpoint (restart %d of at most %d)", lost, restarts + 1, limit)
+    rundir.update_result(path, {"status": rundir.Status.requeued.value, "lost_at": time.time(),
+                                "error": f"{lost}; restarted (restart {restarts + 1} of at most {limit})"})
+    return restarts + 1
+
+
+def _on_live_nodes(cfg: RunConfig, path: Path, restarts: int, lost_ids: set[str]) -> RunConfig:
+    """The run on as many of its nodes as the cluster's live nodes hold now (at first: all of them; after a lost
+    node: down to `cluster.min_nodes`, waiting up to `cluster.timeout_s` for that many), run.yaml written again where
+    that is another number of nodes than it says."""
+    from xtrain.core.files import write_atomic
+
+    if not restarts:
+        return cfg
+    fewest, deadline = cfg.cluster.min_nodes or cfg.cluster.nodes, time.time() + cfg.cluster.timeout_s
+    while (live := min(cfg.cluster.nodes, len([n for n in _fitting_nodes(cfg) if n["NodeID"] not in lost_ids]))
+           ) < fewest and time.time() < deadline:
+        time.sleep(2.0)
+    given = elastic.on_nodes(cfg, max(live, fewest))  # (fewer live than min_nodes: the placement waits for them)
+    file, now = path / rundir.RUN_CONFIG, schema.load(str(path / rundir.RUN_CONFIG))
+    if now.cluster.nodes != given.cluster.nodes:
+        log.info("ray: %d of the run's %d node(s) (restart %d): trainer.grad_accum %d -> %d keeps the effective batch",
+                 given.cluster.nodes, cfg.cluster.nodes, restarts, now.trainer.grad_accum, given.trainer.grad_accum)
+        write_atomic(file, elastic.run_yaml_on(path, given, (
+            f"{rundir.MOVED} to {given.cluster.nodes} of the run's {cfg.cluster.nodes} node(s) (restart {restarts}): "
+            f"grad_accum {now.trainer.grad_accum} -> {given.trainer.grad_accum}")))
+    return given
+
+
+def _fitting_nodes(cfg: RunConfig) -> list[dict]:
+    """The cluster's live nodes that can hold one node's task."""
+    need = bundle(cfg)
+    return [n for n in _ray().nodes() if n.get("Alive")
+            and all(n.get("Resources", {}).get(k, 0) >= v for k, v in need.items())]
+
+
+def _attempt(cfg: RunConfig, path: Path, run_id: str, restart: int, cancel) -> dict:
+    """One attempt: a placement group of `cluster.nodes` bundles, one task a bundle; the first node's result.
+    Whatever ends it, nothing of it is left on the cluster."""
     ray = _ray()
-    from ray.exceptions import RayTaskError, TaskCancelledError
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -149,7 +239,7 @@ def run_job(cfg: RunConfig, path: Path) -> dict:
     group = placement_group([need] * nodes, strategy="STRICT_SPREAD")
     tasks = []
     try:
-        ready, _ = ray.wait([group.ready()], timeout=cfg.cluster.timeout_s)
+        ready, _ = _wait([group.ready()], 1, cfg.cluster.timeout_s, cancel)
         if not ready:
             raise LaunchFailed(f"the Ray cluster gave no {nodes} node(s) with {need} within cluster.timeout_s="
                                f"{cfg.cluster.timeout_s} s (its nodes are busy, or went away)", 1)
@@ -157,20 +247,71 @@ def run_job(cfg: RunConfig, path: Path) -> dict:
         address, port = ray.get(_rendezvous.options(scheduling_strategy=on[0], num_cpus=0).remote())
         log.info("ray: %d node(s) placed; rendezvous %s:%d", nodes, address, port)
         resources = {"num_cpus": need["CPU"], "num_gpus": need.get("GPU", 0)}
-        tasks = [_node.options(scheduling_strategy=on[i], **resources).remote(str(path), i, address, port)
+        env = {"XTRAIN_RAY_RUN": run_id, **({machine.RESTART_ENV: str(restart)} if restart else {})}
+        tasks = [_node.options(scheduling_strategy=on[i], **resources).remote(str(path), i, address, port, env)
                  for i in range(nodes)]
-        results = ray.get(tasks)
-        return results[0]
-    except RayTaskError as err:
-        cause = err.cause if isinstance(err.cause, BaseException) else None
-        if cause is not None and not isinstance(cause, TaskCancelledError):
-            raise cause from None
-        raise LaunchFailed(f"a node's task failed: {' '.join(str(err).split())[:300]}", 1) from None
+        return _outcome(tasks, _placed_on(group), cancel)[0]
     finally:
         _, unfinished = ray.wait(tasks, num_returns=len(tasks), timeout=0) if tasks else ([], [])
         for task in unfinished:  # (a failure on one node, or Ctrl-C here: the others stopped too)
             ray.cancel(task, force=True)
         remove_placement_group(group)
+
+
+LOST_GRACE_S = 60.0  # after a node's task fails, how long the others have to end (a lost node is noticed meanwhile)
+
+
+def _outcome(tasks: list, nodes: dict[int, str], cancel) -> list:
+    """Every node's result; or, where one failed: NodeLost where a node of the group is gone (its task died with it,
+    or Ray says it is dead), else the first node's failure as the run's."""
+    ray = _ray()
+    from ray.exceptions import RayError, RayTaskError, TaskCancelledError
+
+    pending, failures, deadline = list(tasks), {}, None
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.time())
+        done, pending = _wait(pending, 1, timeout, cancel)
+        if not done:
+            break  # (the others are cancelled as the attempt ends)
+        try:
+            ray.get(done[0])
+        except RayError as err:
+            failures[tasks.index(done[0])] = err
+            deadline = deadline or time.time() + LOST_GRACE_S
+    if not failures:
+        return ray.get(tasks)
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    gone = sorted({i for i, err in failures.items() if not isinstance(err, (RayTaskError, TaskCancelledError))}
+                  | {i for i, node in nodes.items() if node not in alive})
+    if gone:
+        what = ", ".join(f"node {i} on Ray node {nodes.get(i, '?')[:8]}: "
+                         f"{type(failures[i]).__name__ if i in failures else 'dead'}" for i in gone)
+        raise NodeLost(f"lost {len(gone)} of the run's {len(tasks)} node(s) ({what})", {nodes[i] for i in gone})
+    first = failures[min(failures)]
+    cause = getattr(first, "cause", None)
+    if isinstance(first, RayTaskError) and isinstance(cause, BaseException) and not isinstance(cause, TaskCancelledError):
+        raise cause from None
+    raise LaunchFailed(f"a node's task failed: {' '.join(str(first).split())[:300]}", 1) from None
+
+
+def _wait(refs: list, num_returns: int, timeout: float | None, cancel) -> tuple[list, list]:
+    """`ray.wait`, a second at a time: Ctrl-C here (or `cancel` set) raises KeyboardInterrupt at once."""
+    ray = _ray()
+    deadline = None if timeout is None else time.time() + timeout
+    while True:
+        step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.time()))
+        done, pending = ray.wait(refs, num_returns=num_returns, timeout=step)
+        if cancel is not None and cancel.is_set():
+            raise KeyboardInterrupt
+        if len(done) >= num_returns or deadline is not None and time.time() >= deadline:
+            return done, pending
+
+
+def _placed_on(group) -> dict[int, str]:
+    """The node ID each bundle of the placement group is on."""
+    from ray.util import placement_group_table
+
+    return {int(i): node for i, node in placement_group_table(group).get("bundles_to_node_id", {}).items()}
 
 
 def _remote(function):
@@ -195,13 +336,16 @@ def _free_rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def _train_node(run_dir: str, node_rank: int, address: str, port: int) -> dict:
+def _train_node(run_dir: str, node_rank: int, address: str, port: int, env: dict[str, str]) -> dict:
     """One node's task: its workers train the written run dir (the first node records how the run ended)."""
+    import os
+
     from xtrain.backends import local
-    from xtrain.config import schema
-    from xtrain.core import rundir
     from xtrain.launch.worker import configure_logging
 
+    for key in ("XTRAIN_RAY_RUN", machine.RESTART_ENV):  # (a worker Ray reuses keeps what a task before set)
+        os.environ.pop(key, None)
+    os.environ.update(env)
     configure_logging()
     path = Path(run_dir)
     cfg = schema.load(str(path / rundir.RUN_CONFIG))
@@ -213,18 +357,67 @@ def _train_node(run_dir: str, node_rank: int, address: str, port: int) -> dict:
 _rendezvous, _node = _remote(_free_rendezvous), _remote(_train_node)
 
 
-# ---------------------------------------------------------------- a sweep's points: not on Ray yet
+# ---------------------------------------------------------------- a sweep's points, a study's trials
 
 
 def scripts(points: list[Point], sweep_dir: Path, **options) -> list[str]:
+    """A sweep's job scripts, as a dry run shows them: none (each point is placed as it starts)."""
     return []
 
 
-def check_points(points: list[Point], **options) -> None:
-    raise ConfigError("cluster=ray: a -m sweep's points do not run on Ray yet; sweep with cluster=local or "
-                      "cluster=slurm, or run each point as its own cluster=ray run")
+def check_points(points: list[Point], *, n_jobs: int = 1, setting: str = "hydra.launcher.n_jobs") -> None:
+    """Each point's request against the cluster, and `n_jobs` points of the most nodes any asks for at once: the
+    cluster must hold them all (a point that waited for another's nodes would run out its cluster.timeout_s)."""
+    if n_jobs < 1:
+        raise ConfigError(f"{setting}={n_jobs}: must be >= 1")
+    for point in points:
+        try:
+            check(point.cfg)
+        except ConfigError as err:
+            raise ConfigError(f"point {point.num} ({point.label}): {err}") from None
+    if not points:
+        return
+    widest = max(points, key=lambda p: p.cfg.cluster.nodes).cfg
+    fit, nodes = len(_fitting_nodes(widest)), widest.cluster.nodes
+    if n_jobs * nodes > fit:
+        raise ConfigError(f"{setting}={n_jobs}: {n_jobs} points of {nodes} node(s) at once need {n_jobs * nodes} "
+                          f"nodes, and the Ray cluster at {widest.cluster.address} has {fit} that hold a point's node; "
+                          f"use {setting}={max(1, fit // nodes)}")
 
 
-def run_points(points, sweep_dir: Path, on_end: Callable[[Point], None], **options) -> bool:
-    check_points(points)
-    return False
+def run_points(points, sweep_dir: Path, on_end: Callable[[Point], None], *, n_jobs: int = 1) -> bool:
+    """Run already-written points, each a Ray run of its own (its placement group, its restarts), `n_jobs` at once;
+    `on_end` each as it ends (its outcome is in its result.json). A point that fails is recorded and the others go
+    on; Ctrl-C here cancels every running point (nothing left on the cluster). `points` may be a source instead,
+    asked for the next point whenever a slot is free (None: none now; a study's)."""
+    import functools
+    import threading
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    take = points if callable(points) else functools.partial(next, iter(points), None)
+    cancel, running = threading.Event(), {}
+    if n_jobs > 1:
+        log.info("%d points at a time", n_jobs)
+    with ThreadPoolExecutor(n_jobs) as pool:
+        try:
+            while True:
+                while len(running) < n_jobs and (point := take()) is not None:
+                    log.info("point %d started on Ray: %s", point.num, point.label)
+                    running[pool.submit(_run_point, point, cancel)] = point
+                if not running:
+                    return True
+                done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+                for future in done:
+                    on_end(running.pop(future))
+        except KeyboardInterrupt:
+            cancel.set()  # (each point's tasks cancelled, its group removed, its end recorded)
+            wait(running)
+            raise
+
+
+def _run_point(point: Point, cancel) -> None:
+    """One point, its failure recorded in its result.json (by `run_job`) and logged."""
+    try:
+        run_job(point.cfg, point.path, cancel)
+    except Exception as err:
+        log.info("point %d: %s", point.num, one_line(err))

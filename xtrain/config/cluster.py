@@ -167,8 +167,7 @@ class SlurmConfig(ClusterConfig):
                 f"cluster.signal_lead_s={self.signal_lead_s}: the warning would come before the job starts "
                 f"(cluster.time_limit={self.time_limit} is {minutes * 60} s); use a smaller lead or a longer limit"
             )
-        if self.min_nodes is not None and not 0 < self.min_nodes <= self.nodes:
-            raise ConfigError(f"cluster.min_nodes={self.min_nodes}: must be in [1, cluster.nodes={self.nodes}]")
+        _check_min_nodes(self.min_nodes, self.nodes)
         self._check_script_strings()
 
     def _check_script_strings(self) -> None:
@@ -207,15 +206,35 @@ class RayConfig(ClusterConfig):
     """The Ray cluster's address (`host:port` of its head's GCS); `auto`: the cluster this machine belongs to."""
     cpus_per_node: Optional[int] = None
     """CPUs each node's task reserves (default: one per process)."""
+    gpus_per_node: Optional[int] = None
+    """GPUs each node's task reserves (default: one per process where this machine has GPUs, else none)."""
+    kuberay: bool = False
+    """With dry_run=true: print KubeRay's RayCluster manifest for a Kubernetes cluster that holds this run (no Ray
+    cluster needed), after the plan."""
+    min_nodes: Optional[int] = None
+    """The fewest nodes the run may continue on after it lost one: it restarts on the live nodes that can hold a
+    node's task, at most `nodes`; grad_accum keeps the effective batch. Default: `nodes` again."""
+    max_restarts: int = 10
+    """Restarts after a lost node the run may have; one more loss ends it `failed`, with its checkpoints, for
+    `resume=auto` by hand."""
 
     NAMES = (ClusterKind.ray,)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_min_nodes(self.min_nodes, self.nodes)
+        non_negative("cluster.max_restarts", self.max_restarts)
         if self.cpus_per_node is not None:
             positive("cluster.cpus_per_node", self.cpus_per_node)
+        if self.gpus_per_node is not None:
+            non_negative("cluster.gpus_per_node", self.gpus_per_node)
         if not self.address or _CONTROL.search(self.address):
             raise ConfigError(f"cluster.address={self.address!r}: give a Ray cluster's host:port, or auto")
+
+
+def _check_min_nodes(min_nodes: int | None, nodes: int) -> None:
+    if min_nodes is not None and not 0 < min_nodes <= nodes:
+        raise ConfigError(f"cluster.min_nodes={min_nodes}: must be in [1, cluster.nodes={nodes}]")
 
 
 OPTIONS: dict[ClusterKind, type[ClusterConfig]] = {ClusterKind.local: LocalConfig, ClusterKind.slurm: SlurmConfig,

@@ -46,6 +46,9 @@ class LaunchFailed(Exception):
         super().__init__(message)
         self.exit_code = exit_code
 
+    def __reduce__(self):  # (pickled whole: a Ray task's failure reaches its driver as it was raised)
+        return type(self), (str(self), self.exit_code)
+
 
 class Stopped(Exception):
     """A run stopped at a step boundary on request, with a complete checkpoint: resumable."""
@@ -53,6 +56,9 @@ class Stopped(Exception):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum  # as a shell reports a process ended by that signal
+
+    def __reduce__(self):
+        return type(self), (str(self), self.exit_code - 128)
 
 
 class Terminated(KeyboardInterrupt):
@@ -66,6 +72,9 @@ class SweepFailed(Exception):
     def __init__(self, lines: list[str], exit_code: int):
         super().__init__("\n".join(lines))
         self.exit_code = exit_code
+
+    def __reduce__(self):
+        return type(self), (str(self).split("\n"), self.exit_code)
 
 
 def positive(name: str, value: float) -> None:

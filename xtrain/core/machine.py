@@ -14,6 +14,12 @@ from pathlib import Path
 import psutil
 
 NODE_SIDE = "XTRAIN_SLURM_NODE"  # set by xtrain on a SLURM job's nodes (slurm/node.py), for their processes
+RESTART_ENV = "XTRAIN_RESTART_COUNT"  # set by the Ray backend on the nodes of a run it restarted (ray_cluster.py)
+
+
+def restart_count() -> int:
+    """The times the run's scheduler restarted it (a requeued SLURM job; a Ray run after a lost node): 0 at first."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or os.environ.get(RESTART_ENV) or 0)
 
 
 def usable_cores() -> int:

@@ -31,6 +31,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Callable, TypedDict
 
+from xtrain.core import machine
 from xtrain.core.files import write_atomic
 
 RUN_CONFIG = "run.yaml"
@@ -273,7 +274,7 @@ def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None =
         "reason": before.get("error") or ("it had completed: trained on with more steps"
                                           if before.get("status") == Status.completed else
                                           "killed without warning (no stop signal reached it)"),
-        "stopped_at": stop.get("at"),
+        "stopped_at": stop.get("at") or before.get("lost_at"),
         "resumed_at": time.time(),
     }
     if changed:  # settings that differ from the checkpoint's: {setting: [old, new]}
@@ -286,6 +287,8 @@ def continued(run_dir: Path, step: int, last_logged: int, changed: dict | None =
         array = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
         restart["slurm_job"] = "_".join(array) if all(array) else os.environ["SLURM_JOB_ID"]
         restart["slurm_restart_count"] = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    if os.environ.get(machine.RESTART_ENV):
+        restart["ray_restart_count"] = int(os.environ[machine.RESTART_ENV])
     restarts = [*before.get("restarts", []), restart]
     carried = {key: before[key] for key in ("initial_val_loss",) if key in before}
     return {**carried, "restarts": restarts, "steps_lost": sum(r["steps_lost"] for r in restarts)}

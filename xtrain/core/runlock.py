@@ -24,19 +24,20 @@ _held: dict[str, list] = {}  # the run dirs this process holds: real path -> [fd
 
 
 SAME_JOB_WAIT_S = 180  # a requeued SLURM job waits this long for its own attempt before's lock (a lost node's)
+_JOBS = {"slurm_job": "SLURM_JOB_ID", "ray_run": "XTRAIN_RAY_RUN"}  # the lock record's key: the job's variable
 
 
 def _record() -> dict:
     from xtrain.core.rundir import this_process
 
-    job = {"slurm_job": os.environ["SLURM_JOB_ID"]} if os.environ.get("SLURM_JOB_ID") else {}
+    job = {key: os.environ[env] for key, env in _JOBS.items() if os.environ.get(env)}
     return {**this_process(), **job, "command": " ".join(sys.argv)[:300]}
 
 
 def _same_job(holder: dict) -> bool:
-    """The holder is this SLURM job's attempt before (requeued from a node that was lost: a shared filesystem lets
-    go of a lost machine's lock only once its lease runs out)."""
-    return bool(holder.get("slurm_job")) and holder.get("slurm_job") == os.environ.get("SLURM_JOB_ID")
+    """The holder is this SLURM job's or Ray run's attempt before (restarted from a node that was lost: a shared
+    filesystem lets go of a lost machine's lock only once its lease runs out)."""
+    return any(holder.get(key) and holder.get(key) == os.environ.get(env) for key, env in _JOBS.items())
 
 
 def _busy(run_dir: Path, holder: dict) -> ConfigError:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
+from xtrain.core import machine
 from xtrain.engine import checkpoint, reporting
 from xtrain.engine.monitor import Monitor
 from xtrain.engine.result import Result
@@ -32,8 +32,9 @@ class Progress:
 
 
 def resume_setting(resume: str, run_dir: Path) -> str:
-    """`resume` as run.yaml has it, except in a requeued SLURM job: that continues its own newest checkpoint."""
-    restarted = int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0
+    """`resume` as run.yaml has it, except in a run its scheduler restarted (a requeued SLURM job, a Ray run after a
+    lost node): that continues its own newest checkpoint."""
+    restarted = machine.restart_count() > 0
     return "auto" if restarted and checkpoint.newest(run_dir) is not None else resume
 
 

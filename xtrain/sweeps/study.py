@@ -119,7 +119,8 @@ class Study:
     def plan(self, num: int, swept: list[str], probe: bool = False) -> Point:
         """A trial's point: `swept` as sampled; its name and label with 4 significant digits."""
         overrides = [*self.space.fixed, *swept, "resume=auto"]
-        parallel = 1 if self.on_slurm else self.s.n_jobs  # (on SLURM each trial has an allocation of its own)
+        # (on SLURM and Ray each trial has nodes of its own; here they share this machine)
+        parallel = self.s.n_jobs if self.backend.__name__ == "xtrain.backends.local" else 1
         point = sweep.plan_point(num, overrides, [short(o) for o in swept], self.compose, self.sweep_dir, parallel)
         if probe:  # never written or resumed: a name no trial has
             point.cfg.run_dir, point.cfg.resume = str(self.sweep_dir / ".corner"), "none"

@@ -24,6 +24,8 @@ class SlurmLauncherConf:
 @dataclass
 class RayLauncherConf:
     _target_: str = "hydra_plugins.xtrain_launcher.launcher.RayLauncher"
+    n_jobs: int = 1
+    """Points run at once, each a Ray run of its own nodes (the cluster must hold them all)."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="xtrain", node=LocalLauncherConf, provider="xtrain")

@@ -1,7 +1,8 @@
-"""`hydra/launcher=xtrain` (local; xtrain's default) and `hydra/launcher=xtrain_slurm` (one SLURM job array).
+"""`hydra/launcher=xtrain` (local; xtrain's default), `hydra/launcher=xtrain_slurm` (one SLURM job array) and
+`hydra/launcher=xtrain_ray` (each point a Ray run).
 
-For xtrain's own runs both hand the points to `xtrain.sweeps.sweep` with their backend
-(`xtrain.backends.local`, `xtrain.backends.slurm.backend`): every point is composed and validated and its run
+For xtrain's own runs each hands the points to `xtrain.sweeps.sweep` with its backend
+(`xtrain.backends.local`, `xtrain.backends.slurm.backend`, `xtrain.backends.ray_cluster`): every point is composed and validated and its run
 dir written before the first one runs or is queued; failures are recorded and the sweep goes on; the
 sweep dir gets its summary after every point. They differ only in the backend, where a point runs. Any other Hydra app under `xtrain_slurm` runs as hydra-submitit-launcher
 runs it: each job on one node, through submitit.
@@ -46,7 +47,7 @@ class _XtrainLauncher(Launcher):
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
         overrides = [list(o) for o in job_overrides]
         points = sweep.plan_points(overrides, self.compose, self.sweep_dir, initial_job_idx,
-                                   parallel=self.options.get("n_jobs", 1))
+                                   parallel=self.options.get("n_jobs", 1) if self.cluster_kind == "local" else 1)
         for point in points:
             if point.cfg.cluster.kind.value != self.cluster_kind:
                 raise ConfigError(f"point {point.num} ({point.label}): cluster.kind={point.cfg.cluster.kind.value} "
@@ -96,12 +97,12 @@ class LocalLauncher(_XtrainLauncher):
 
 
 class RayLauncher(_XtrainLauncher):
-    """cluster=ray's: its points are refused by the Ray backend (not on Ray yet), before anything is written."""
+    """cluster=ray's: each point a Ray run of its own nodes, `n_jobs` at once."""
     name, cluster_kind = "xtrain_ray", "ray"
     wrong_kind = "which runs on Ray; use cluster=ray"
 
-    def __init__(self) -> None:
-        self.options = {}
+    def __init__(self, n_jobs: int = 1) -> None:
+        self.options = {"n_jobs": n_jobs}
 
     def backend(self):
         from xtrain.backends import ray_cluster

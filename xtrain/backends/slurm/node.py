@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from xtrain.backends import elastic
 from xtrain.backends.slurm.monitor import query
 from xtrain.config.cluster import ClusterConfig
 from xtrain.config.schema import RunConfig
@@ -89,19 +90,6 @@ def run_node(run_dir: str) -> dict:
             raise
 
 
-def on_nodes(cfg: RunConfig, nodes: int) -> RunConfig:
-    """The run on `nodes` of the `cluster.min_nodes`-`cluster.nodes` it asked for: grad_accum keeps its effective
-    batch (a ConfigError where no whole grad_accum does)."""
-    from xtrain.config import schema
-    from xtrain.engine import resume
-
-    if nodes == cfg.cluster.nodes:
-        return cfg
-    fewer = replace(cfg, cluster=replace(cfg.cluster, nodes=nodes))
-    return resume.keep_effective_batch(fewer, schema.to_container(cfg), f"cluster.min_nodes={cfg.cluster.min_nodes}: "
-                                       "the run trains")
-
-
 def on_the_nodes_given(path: Path) -> RunConfig:
     """run.yaml's run on the nodes SLURM gave this allocation (a job of `cluster.min_nodes`-`cluster.nodes`): on
     fewer or more than run.yaml's, node 0 writes it again with them and the grad_accum that keeps the effective batch
@@ -114,12 +102,12 @@ def on_the_nodes_given(path: Path) -> RunConfig:
     file = path / rundir.RUN_CONFIG
     written = schema.load(str(file))
     env = submitit.JobEnvironment()
-    given = on_nodes(written, env.num_nodes)
+    given = elastic.on_nodes(written, env.num_nodes)
     if given is written:
         return written
     moved = (f"{rundir.MOVED} to {env.num_nodes} of the job's {written.cluster.nodes} node(s) (restart "
              f"{restart_count()}): grad_accum {written.trainer.grad_accum} -> {given.trainer.grad_accum}")
-    text = "".join(f"{line}\n" for line in [*rundir.history(path), moved]) + schema.to_yaml(given)
+    text = elastic.run_yaml_on(path, given, moved)
     if env.node == 0:
         log.info("SLURM gave %d of the job's %d node(s): trainer.grad_accum %d -> %d keeps the effective batch",
                  env.num_nodes, written.cluster.nodes, written.trainer.grad_accum, given.trainer.grad_accum)

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Callable
 
 from xtrain.backends.slurm.monitor import Job, Unreachable, cancel, describe, live_states, query, recorded_job
-from xtrain.backends.slurm.node import on_nodes, run_node
+from xtrain.backends.elastic import check_fewer
+from xtrain.backends.slurm.node import run_node
 from xtrain.config.cluster import ClusterConfig, time_limit_minutes
 from xtrain.config.schema import RunConfig
 from xtrain.core.errors import ConfigError
@@ -118,8 +119,7 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.nodes={c.nodes}: partition {part.name} has {part.nodes} node(s); "
                           f"use cluster.nodes<={part.nodes}")
     check_not_running(Path(cfg.run_dir), Path(cfg.run_dir))
-    for nodes in range(c.min_nodes or c.nodes, c.nodes):  # each allocation it may get keeps the effective batch
-        on_nodes(cfg, nodes)
+    check_fewer(cfg)  # each allocation it may get keeps the effective batch
     if c.gpus > part.gpus_per_node:
         raise ConfigError(f"cluster.gpus_per_node={c.gpus}: the nodes of partition {part.name} have "
                           f"{part.gpus_per_node} GPU(s); use cluster.gpus_per_node<={part.gpus_per_node}")
