@@ -98,8 +98,10 @@ def lose_node_when(file: str, cluster, node, proc: subprocess.Popen) -> None:
 
 
 def cluster_left(address: str) -> str:
-    """What the cluster still holds: placement groups not removed, CPUs reserved (a second after, for Ray to free them)."""
+    """What the cluster still holds: placement groups not removed, CPUs reserved, actors alive (given ten seconds to
+    let go)."""
     import ray
+    from ray._private import state
     from ray.util import placement_group_table
 
     ray.init(address=address, logging_level="ERROR")
@@ -107,10 +109,11 @@ def cluster_left(address: str) -> str:
         for _ in range(20):
             groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
             held = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
-            if not groups and not held:
+            actors = [a for a in state.actors().values() if a["State"] != "DEAD"]
+            if not groups and not held and not actors:
                 break
             time.sleep(0.5)
-        return f"{len(groups)} placement group(s), CPUs held {held:g}"
+        return f"{len(groups)} placement group(s), CPUs held {held:g}, actors alive {len(actors)}"
     finally:
         ray.shutdown()
 

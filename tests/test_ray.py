@@ -27,13 +27,16 @@ NO_ROUTE = re.compile(r"^\[[^]]+ W \d+ \d+\] network_util\.cc:\d+: Failed to det
 
 
 def on_ray(tmp_path: Path, *xtrain_args: str, nodes: int = 2, lose_node_when: Path | None = None,
-           interrupt_when: Path | None = None, watch: Path | None = None) -> subprocess.CompletedProcess:
+           interrupt_when: Path | None = None, watch: Path | None = None, script: str | None = None
+           ) -> subprocess.CompletedProcess:
     """`python -m xtrain cluster=ray ARGS` against a fresh Ray cluster of `nodes` nodes of 1 CPU each, in a network
     namespace of its own (`unshare -n`: Ray binds 127.0.0.1 there); its stderr (Ray's no-route notes left out) as
     the result's, the cluster's own output and what it says was left on it in stdout. `lose_node_when`: a file
     whose existence makes a node other than the head lost, every process of it killed at once; `interrupt_when`: one
-    whose existence sends the command SIGINT; `watch`: a path whose processes left are counted."""
-    command = [sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", *xtrain_args]
+    whose existence sends the command SIGINT; `watch`: a path whose processes left are counted. `script`: a bash
+    script to run instead (`{address}` in it: the cluster's)."""
+    command = (["bash", "-c", script] if script else
+               [sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", *xtrain_args])
     stderr = tmp_path / "xtrain.stderr"
     options = {"--lose-node-when": lose_node_when, "--interrupt-when": interrupt_when, "--watch": watch}
     losing = [arg for option, value in options.items() if value for arg in (option, str(value))]
@@ -232,6 +235,26 @@ def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_pa
         if state == "PRUNED":
             assert (sweep / entry["dir"] / "checkpoints" / f"step_{result['stop']['step']:08d}").is_dir()
     assert {t.state.name for t in trials} == {"COMPLETE", "PRUNED"}  # (seeded: the first completes, two pruned)
+
+
+def test_wait_false_hands_the_run_to_the_cluster_and_xtrain_status_follows_it(tmp_path):
+    """cluster.wait=false: the command returns while the run trains (xtrain.status, run at once, shows it unfinished);
+    the run completes on the cluster on its own, and then nothing of it is left there, its actor included."""
+    run_dir = tmp_path / "run"
+    xtrain = shlex.join([sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", f"run_dir={run_dir}",
+                         "cluster.nodes=2", "cluster.num_processes=1", "cluster.wait=false", *PACED,
+                         "trainer.max_steps=40", "trainer.eval_every=20", "trainer.save_every=20"])
+    status = shlex.join([sys.executable, "-m", "xtrain.status", str(run_dir)])
+    result = run_dir / "result.json"
+    proc = on_ray(tmp_path, script=f"{xtrain} && echo HANDED && {status} && for i in $(seq 600); do "
+                                   f"grep -q '\"completed\"' {result} 2>/dev/null && break; sleep 0.5; done && "
+                                   f"echo FINAL && {status}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "see it with: python -m xtrain.status" in proc.stdout + proc.stderr
+    first, final = proc.stdout.split("HANDED", 1)[1].split("FINAL", 1)
+    assert re.search(rf"^run {run_dir}: (pending|running), step \d+ of 40$", first, re.M), first  # (at once)
+    assert re.search(rf"^run {run_dir}: completed", final, re.M) and read_result(run_dir)["steps"] == 40, final
+    assert "left: 0 placement group(s), CPUs held 0, actors alive 0" in proc.stdout, proc.stdout
 
 
 def test_ctrl_c_cancels_a_ray_run_and_leaves_nothing_running(tmp_path):

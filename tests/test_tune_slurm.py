@@ -95,8 +95,28 @@ def test_a_study_of_two_slurm_workers_survives_a_requeue_mid_trial(tmp_path):
         == ["completed", "completed"]
 
 
+def test_a_study_s_trials_span_both_nodes_of_their_workers_allocation(tmp_path):
+    """cluster.nodes=2: the one worker's allocation is both nodes; its first node asks for each trial and names it,
+    the other trains it as node 1. Each trial's run spans n1 and n2 (one process a node), and what Optuna recorded of
+    it is what its run dir says."""
+    from test_slurm import TINY
+
+    sweep_dir = tmp_path / "study"
+    proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, *SLURM, *TINY, "cluster.nodes=2", "cluster.num_processes=1",
+                      "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner=none", LR)
+    trials = study_trials(sweep_dir)
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], proc.stderr
+    for path in point_dirs(sweep_dir):
+        result = read_result(path)
+        assert result["status"] == "completed" and result["world_size"] == 2 and result["hosts"] == ["n1", "n2"]
+        assert len(list((path / "logs").glob("launcher-node*.log"))) == 2  # (one torchrun a node)
+        assert trials[int(path.name.split("_")[0])].value == result["val_loss"]
+    [worker] = sorted((sweep_dir / "workers").glob("*"))
+    assert read_result(worker)["trials"] == [0, 1]
+    assert json.loads((worker / "current.json").read_text())["done"] is True
+
+
 @pytest.mark.parametrize("overrides, expected", [
-    (["cluster.nodes=2"], "cluster.nodes=2: a study's trials run on one node each"),
     (["cluster.cpus_per_task=choice(1,2)"], "asks SLURM for another allocation than"),
     (["hydra.sweeper.n_jobs=0"], "hydra.sweeper.n_jobs=0: must be >= 1"),
 ])

@@ -86,7 +86,7 @@ def connect(cfg: RunConfig) -> None:
         return
     address = head_address(cfg)
     try:
-        ray.init(address=address, logging_level=logging.ERROR, configure_logging=False)
+        ray.init(address=address, namespace="xtrain", logging_level=logging.ERROR, configure_logging=False)
     except (ConnectionError, RuntimeError, ValueError) as err:
         reason = " ".join(str(err).split())[:200]
         raise ConfigError(f"cluster.address={cfg.cluster.address}: no Ray cluster answers there ({reason}); start one "
@@ -149,7 +149,40 @@ def run(cfg: RunConfig) -> dict:
         prepared = preflight.preflight(cfg)
         local.prepare_data(cfg, prepared.task)
         path = preflight.write_run_dir(prepared)
+    if not cfg.cluster.wait:
+        return hand_over(path)
     return run_job(cfg, path)
+
+
+def hand_over(path: Path) -> dict:
+    """cluster.wait=false: the written run dir handed to a detached actor on the cluster, which runs `run_job` there
+    (its placement, its restarts) and then exits; this returns once the actor is alive."""
+    ray = _ray()
+    actor = ray.remote(_DetachedRun).options(name=f"xtrain:{path}", lifetime="detached", num_cpus=0,
+                                              max_restarts=0).remote()
+    ray.get(actor.ready.remote())
+    actor.run.remote(str(path))
+    log.info("ray: the run goes on on the cluster (cluster.wait=false); see it with: python -m xtrain.status %s", path)
+    return {"status": "handed over"}
+
+
+class _DetachedRun:
+    """cluster.wait=false: the driver's part of a run (`run_job`), in an actor that outlives the command."""
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, run_dir: str) -> None:
+        from xtrain.launch.worker import configure_logging
+
+        configure_logging()
+        path = Path(run_dir)
+        try:
+            run_job(schema.load(str(path / rundir.RUN_CONFIG)), path)
+        except Exception as err:  # (recorded in result.json)
+            log.info("%s", one_line(err))
+        finally:
+            _ray().actor.exit_actor()
 
 
 class NodeLost(Exception):

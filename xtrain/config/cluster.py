@@ -208,6 +208,9 @@ class RayConfig(ClusterConfig):
     """CPUs each node's task reserves (default: one per process)."""
     gpus_per_node: Optional[int] = None
     """GPUs each node's task reserves (default: one per process where this machine has GPUs, else none)."""
+    wait: bool = True
+    """Follow the run to its end here; false: return once the run dir is written and the run handed to the cluster
+    (a detached Ray actor that places it and restarts it after a lost node); follow it with xtrain.status."""
     kuberay: bool = False
     """With dry_run=true: print KubeRay's RayCluster manifest for a Kubernetes cluster that holds this run (no Ray
     cluster needed), after the plan."""

@@ -4,6 +4,10 @@ its point, trains it there (`run_node`, as any SLURM run), tells it, and asks ag
 asked: a new trial starts as soon as any ends, with no barrier between workers. One worker at a time asks (a
 lock file beside the journal, safe on a shared filesystem).
 
+A trial may span nodes (`cluster.nodes` > 1): each worker's allocation is then a trial's nodes. Its first node asks
+for the trials and names each in the worker dir's `current.json`; every other node trains each named trial as that
+trial's node (`run_node`), until the first node says there are none left.
+
 A worker whose job SLURM requeues (time limit, preemption, `scontrol requeue`) continues the trial it was
 running, in that trial's own run dir (named by the worker dir's `current.json`): it stays one trial. The
 submitting command follows the workers and, as each worker does when it runs out of trials, writes the
@@ -35,13 +39,10 @@ RESOLVED = ("gpus_per_node", "cpus_per_task", "num_processes")  # what the submi
 
 def check(run: Study) -> None:
     """What a study on SLURM needs, before anything is queued: one allocation fits every trial (the space
-    varies no request), of one node; a resumed study's workers are not still running."""
+    varies no request); a resumed study's workers are not still running."""
     from xtrain.backends.slurm.submit import check_not_running, job_parameters
 
     first = run.corners[0]
-    if first.cfg.cluster.nodes != 1:
-        raise ConfigError(f"cluster.nodes={first.cfg.cluster.nodes}: a study's trials run on one node each "
-                          "(its workers are one-node jobs); use cluster.nodes=1")
     for point in run.corners[1:]:
         if job_parameters(point.cfg.cluster) != job_parameters(first.cfg.cluster):
             raise ConfigError(f"the search space's corner {point.label} asks SLURM for another allocation than "
@@ -127,6 +128,8 @@ class Worker:
         self.settings, self.space, self.sweep_dir, self.compose = study.s, study.space, study.sweep_dir, study.compose
 
     def __call__(self, worker_dir: str) -> dict:
+        import submitit
+
         from xtrain.backends import local
         from xtrain.backends.slurm.node import run_node
         from xtrain.launch.worker import configure_logging
@@ -134,13 +137,16 @@ class Worker:
         os.environ[machine.NODE_SIDE] = "1"
         configure_logging()
         here, index = Path(worker_dir), int(Path(worker_dir).name)
+        if submitit.JobEnvironment().node:
+            return trials_named(here)
         study = Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)
         study.on_slurm = True
         study.claiming = lambda: claiming(self.sweep_dir)
         study.open(worker=index + 1)
         point, ran = self.own_trial(study, here) or study.next_point(), []
         while point is not None:
-            write_atomic(here / rundir.WORKER_TRIAL, json.dumps({"job": array_job(), "trial": point.num}) + "\n")
+            write_atomic(here / rundir.WORKER_TRIAL, json.dumps({"job": array_job(), "restart": machine.restart_count(),
+                                                                 "trial": point.num, "dir": str(point.path)}) + "\n")
             log.info("worker %d: trial %d: %s", index, point.num, point.label)
             try:
                 outcome = run_node(str(point.path))
@@ -155,6 +161,8 @@ class Worker:
             point = study.next_point()
         with claiming(self.sweep_dir):
             study.finish()
+        write_atomic(here / rundir.WORKER_TRIAL, json.dumps({"job": array_job(), "restart": machine.restart_count(),
+                                                             "done": True}) + "\n")  # (the other nodes' end)
         rundir.update_result(here, {"status": rundir.Status.completed.value, "trials": ran})
         return {"status": "completed", "trials": ran}
 
@@ -166,8 +174,8 @@ class Worker:
             record = json.loads((here / rundir.WORKER_TRIAL).read_text())
         except FileNotFoundError:
             return None
-        if record["job"] != array_job():  # an earlier array's (a resumed study continues those trials itself)
-            return None
+        if record["job"] != array_job() or "trial" not in record:  # an earlier array's (a resumed study continues
+            return None  # those trials itself), or this worker had none left
         trial = study.optuna.get_trials(deepcopy=False)[record["trial"]]
         if trial.state.name != "RUNNING":
             return None
@@ -177,6 +185,35 @@ class Worker:
             return None
         log.info("trial %d continues from its checkpoint after a requeue: %s", point.num, point.label)
         return point
+
+
+def trials_named(here: Path) -> dict:
+    """A worker's node other than its first, where trials span nodes: each trial the first node names in
+    `current.json` (in this attempt of the job), trained as that trial's node, until it names none."""
+    from xtrain.backends import local
+    from xtrain.backends.slurm.node import run_node
+
+    ran: list[int] = []
+    while True:
+        try:
+            record = json.loads((here / rundir.WORKER_TRIAL).read_text())
+        except (FileNotFoundError, ValueError):
+            record = {}
+        ours = record.get("job") == array_job() and record.get("restart") == machine.restart_count()
+        if ours and record.get("done"):
+            return {"status": "completed", "trials": ran}
+        if not ours or record.get("trial") in ran:
+            time.sleep(0.5)  # (the first node is asking for the next trial, or writing it)
+            continue
+        try:
+            outcome = run_node(record["dir"])
+        except Exception:  # (the first node records how the trial failed)
+            outcome = {}
+        finally:
+            local.release_memory()
+        if outcome.get("status") in ("stopped", "interrupted"):
+            return {"status": "stopped", "trial": record["trial"]}
+        ran.append(record["trial"])
 
 
 def array_job() -> str:
