@@ -210,8 +210,9 @@ def test_a_failure_crosses_a_process_boundary_whole():
                                       "cluster.mem_gb=64", "+cluster.sbatch_args.mail-type=END"])
 def test_a_slurm_jobs_setting_given_to_a_local_run_is_refused(override):
     """cluster=slurm forgotten: the run would train on this machine (a login node, say) and ignore the setting."""
+    owners = "cluster=slurm|ray; use one of those" if override == "cluster.wait=false" else "cluster=slurm; add cluster=slurm"
     assert refusal(override) == (f"{override.lstrip('+')}: no such setting with this cluster: it is a setting of "
-                                 "cluster=slurm; add cluster=slurm, or drop it")
+                                 f"{owners}, or drop it")
 
 
 def test_a_newline_in_an_sbatch_args_key_is_refused():
