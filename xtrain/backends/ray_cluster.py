@@ -41,7 +41,7 @@ def bundle(cfg: RunConfig) -> dict[str, float]:
     (`cluster.gpus_per_node`; by default one a process where this machine has GPUs)."""
     c = cfg.cluster
     reserved = {"CPU": float(c.cpus_per_node or c.processes_per_node)}
-    gpus = c.gpus_per_node if c.gpus_per_node is not None else c.processes_per_node if machine.visible_gpus() else 0
+    gpus = int(c.gpus_per_node) if c.gpus_per_node != "auto" else c.processes_per_node if machine.visible_gpus() else 0
     if gpus:
         reserved["GPU"] = float(gpus)
     return reserved

@@ -206,8 +206,8 @@ class RayConfig(ClusterConfig):
     """The Ray cluster's address (`host:port` of its head's GCS); `auto`: the cluster this machine belongs to."""
     cpus_per_node: Optional[int] = None
     """CPUs each node's task reserves (default: one per process)."""
-    gpus_per_node: Optional[int] = None
-    """GPUs each node's task reserves (default: one per process where this machine has GPUs, else none)."""
+    gpus_per_node: str = "auto"
+    """GPUs each node's task reserves: `auto` (one per process where this machine has GPUs, else none) or a number."""
     wait: bool = True
     """Follow the run to its end here; false: return once the run dir is written and the run handed to the cluster
     (a detached Ray actor that places it and restarts it after a lost node); follow it with xtrain.status."""
@@ -229,8 +229,8 @@ class RayConfig(ClusterConfig):
         non_negative("cluster.max_restarts", self.max_restarts)
         if self.cpus_per_node is not None:
             positive("cluster.cpus_per_node", self.cpus_per_node)
-        if self.gpus_per_node is not None:
-            non_negative("cluster.gpus_per_node", self.gpus_per_node)
+        if not (self.gpus_per_node == "auto" or self.gpus_per_node.isdigit()):
+            raise ConfigError(f"cluster.gpus_per_node={self.gpus_per_node}: must be a number (0 or more) or auto")
         if not self.address or _CONTROL.search(self.address):
             raise ConfigError(f"cluster.address={self.address!r}: give a Ray cluster's host:port, or auto")
 
