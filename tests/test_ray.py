@@ -114,6 +114,19 @@ def test_more_nodes_than_the_cluster_has_are_refused_before_anything_is_written(
     assert "left: 0 placement group(s)" in proc.stdout and not (tmp_path / "run").exists()
 
 
+def test_a_run_dir_the_nodes_do_not_see_is_refused_before_anything_is_written(tmp_path):
+    """xtrain runs in a mount namespace of its own with a tmpfs over the run dir's folder: the Ray nodes (outside it)
+    see the folder, but not what is written there. Refused in one line; the cluster is left as it was."""
+    private = tmp_path / "private"
+    private.mkdir()
+    xtrain = shlex.join([sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}",
+                         f"run_dir={private / 'run'}", "cluster.nodes=2", "cluster.num_processes=1"])
+    proc = on_ray(tmp_path, script=f"unshare -m bash -c {shlex.quote(f'mount -t tmpfs none {private} && exec {xtrain}')}")
+    assert_one_line_error(proc, f"run_dir={private / 'run'}: the Ray node(s) at 127.0.0.1 do not see {private / 'run'} "
+                                "as this machine does", "put the run dir on storage every node mounts at the same path")
+    assert "left: 0 placement group(s), CPUs held 0" in proc.stdout and not any(private.iterdir())
+
+
 def test_an_address_where_nothing_answers_is_refused_in_one_line(tmp_path):
     proc = run_xtrain(f"run_dir={tmp_path / 'run'}", "cluster=ray", "cluster.address=127.0.0.1:1", "cluster.nodes=2",
                       "cluster.num_processes=1", check=False)

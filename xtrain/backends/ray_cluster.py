@@ -94,8 +94,9 @@ def connect(cfg: RunConfig) -> None:
 
 
 def check(cfg: RunConfig) -> None:
-    """The cluster has `cluster.nodes` live nodes that each hold one node's bundle. (Ray places the nodes: the
-    rendezvous settings of cluster=local are not the user's to give.)"""
+    """The cluster has `cluster.nodes` live nodes that each hold one node's bundle, and each sees the run dir's
+    storage as this machine does. (Ray places the nodes: the rendezvous settings of cluster=local are not the user's
+    to give.)"""
     c = cfg.cluster
     if c.kuberay and not cfg.dry_run:
         raise ConfigError("cluster.kuberay=true: prints KubeRay's RayCluster manifest for this run under dry_run=true "
@@ -113,6 +114,34 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(f"cluster.nodes={cfg.cluster.nodes}: the Ray cluster at {cfg.cluster.address} has "
                           f"{len(fit)} of its {len(nodes)} live node(s) with {what} for a node's task; use "
                           f"cluster.nodes={max(1, len(fit))}, fewer processes a node, or a larger cluster")
+    check_visible(cfg, fit)
+
+
+def check_visible(cfg: RunConfig, nodes: list[dict]) -> None:
+    """The run dir's storage is the same on every node that may hold the run: a file written here (and removed) is
+    seen there. A dry run writes none: it asks only that the folder be there."""
+    import uuid
+
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    folder = Path(cfg.run_dir).resolve()
+    while not folder.is_dir():
+        folder = folder.parent
+    probe = None if cfg.dry_run else folder / f".xtrain-visible-{uuid.uuid4().hex[:12]}"
+    if probe is not None:
+        probe.write_text("xtrain: is this folder the same on every node of the Ray cluster?\n")
+    try:
+        looks = [_sees.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                 .remote(str(probe or folder)) for n in nodes]
+        seen = _ray().get(looks, timeout=cfg.cluster.timeout_s)
+    finally:
+        if probe is not None:
+            probe.unlink(missing_ok=True)
+    blind = sorted({n["NodeManagerAddress"] for n, ok in zip(nodes, seen) if not ok})
+    if blind:
+        raise ConfigError(f"run_dir={cfg.run_dir}: the Ray node(s) at {', '.join(blind)} do not see {folder} as this "
+                          "machine does (a file written here is not there); put the run dir on storage every node "
+                          "mounts at the same path (NFS, a shared volume)")
 
 
 def describe(cfg: RunConfig, script: bool = True) -> str:
@@ -387,7 +416,11 @@ def _train_node(run_dir: str, node_rank: int, address: str, port: int, env: dict
     return (local.run_recorded if node_rank == 0 else local.run_here)(cfg, path)
 
 
-_rendezvous, _node = _remote(_free_rendezvous), _remote(_train_node)
+def _path_exists(path: str) -> bool:
+    return Path(path).exists()
+
+
+_rendezvous, _node, _sees = _remote(_free_rendezvous), _remote(_train_node), _remote(_path_exists)
 
 
 # ---------------------------------------------------------------- a sweep's points, a study's trials
