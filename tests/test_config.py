@@ -37,7 +37,7 @@ cluster.kind cluster.nodes cluster.node_rank cluster.num_processes cluster.main_
 cluster.timeout_s cluster.gpu_memory_gb cluster.check_memory cluster.mtbf_hours cluster.min_nodes cluster.gpus_per_node cluster.cpus_per_task cluster.mem_gb cluster.time_limit
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
 cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
-cluster.max_requeues cluster.address cluster.cpus_per_node cluster.kuberay cluster.max_restarts
+cluster.max_requeues cluster.address cluster.cpus_per_node cluster.resources cluster.kuberay cluster.max_restarts
 trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.async_save trainer.keep_checkpoints
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
@@ -193,6 +193,9 @@ def test_a_ray_run_may_continue_on_min_nodes_to_nodes_each_keeping_the_effective
     assert refusal("cluster=ray", "cluster.nodes=2", "cluster.min_nodes=3").startswith(
         "cluster.min_nodes=3: must be in [1, cluster.nodes=2]")
     assert refusal("cluster=ray", "cluster.max_restarts=-1") == "cluster.max_restarts=-1: must be >= 0"
+    assert refusal("cluster=ray", "+cluster.resources.GPU=1") == ("cluster.resources.GPU=1: set by "
+                                                                  "cluster.gpus_per_node; use that")
+    assert refusal("cluster=ray", "+cluster.resources.special=0") == "cluster.resources.special=0.0: must be > 0"
 
 
 def test_a_failure_crosses_a_process_boundary_whole():

@@ -112,6 +112,10 @@ def test_more_nodes_than_the_cluster_has_are_refused_before_anything_is_written(
     assert_one_line_error(proc, "cluster.nodes=3: the Ray cluster at", "has 2 of its 2 live node(s) with CPU 1",
                           "cluster.nodes=2")
     assert "left: 0 placement group(s)" in proc.stdout and not (tmp_path / "run").exists()
+    proc = on_ray(tmp_path, f"run_dir={tmp_path / 'run'}", "cluster.nodes=1", "cluster.num_processes=1",
+                  "+cluster.resources.special=1")  # (a custom resource no node advertises)
+    assert_one_line_error(proc, "cluster.nodes=1: the Ray cluster at", "has 0 of its 2 live node(s) with CPU 1, special 1")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_dir_the_nodes_do_not_see_is_refused_before_anything_is_written(tmp_path):
@@ -147,7 +151,8 @@ def test_a_dry_run_renders_a_raycluster_manifest_that_kuberays_crd_schema_accept
     import jsonschema
 
     proc = xtrain_in_process(f"run_dir={tmp_path / 'run'}", "cluster=ray", "cluster.nodes=2", "cluster.min_nodes=1",
-                             "cluster.num_processes=2", "cluster.gpus_per_node=2", "dry_run=true", "cluster.kuberay=true")
+                             "cluster.num_processes=2", "cluster.gpus_per_node=2", "+cluster.resources.special=1",
+                             "dry_run=true", "cluster.kuberay=true")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("# xtrain plan (dry run") and not (tmp_path / "run").exists()
     manifest = yaml.safe_load(proc.stdout)
@@ -156,6 +161,7 @@ def test_a_dry_run_renders_a_raycluster_manifest_that_kuberays_crd_schema_accept
     assert unknown_fields(manifest, schema) == []
     [workers] = manifest["spec"]["workerGroupSpecs"]
     assert (workers["replicas"], workers["minReplicas"], workers["maxReplicas"]) == (2, 1, 2)
+    assert json.loads(workers["rayStartParams"]["resources"]) == {"special": 1}  # (what the nodes advertise)
     [container] = workers["template"]["spec"]["containers"]
     assert container["resources"]["limits"] == {"cpu": "2", "nvidia.com/gpu": "2"}
     assert container["volumeMounts"] == [{"name": "runs", "mountPath": str(tmp_path)}]

@@ -3,6 +3,7 @@ that holds it, one worker pod a node of the run, the run dir's folder on a volum
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -48,7 +49,8 @@ def manifest(cfg: RunConfig) -> str:
         },
         "workerGroupSpecs": [{
             "groupName": "nodes", "replicas": c.nodes, "minReplicas": c.min_nodes or c.nodes, "maxReplicas": c.nodes,
-            "rayStartParams": {},
+            "rayStartParams": ({"resources": json.dumps({k: v for k, v in need.items() if k not in ("CPU", "GPU")})}
+                               if c.resources else {}),  # (custom resources: what `ray start --resources` takes)
             "template": {"spec": {"containers": [{
                 "name": "ray-worker", "image": image, "resources": {"limits": worker, "requests": worker},
                 "volumeMounts": mounts}], "volumes": volumes}},

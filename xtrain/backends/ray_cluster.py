@@ -37,14 +37,14 @@ def _ray():
 
 
 def bundle(cfg: RunConfig) -> dict[str, float]:
-    """What each node's task reserves: its CPUs (one a process, or `cluster.cpus_per_node`) and its GPUs
-    (`cluster.gpus_per_node`; by default one a process where this machine has GPUs)."""
+    """What each node's task reserves: its CPUs (one a process, or `cluster.cpus_per_node`), its GPUs
+    (`cluster.gpus_per_node`; by default one a process where this machine has GPUs) and `cluster.resources`."""
     c = cfg.cluster
     reserved = {"CPU": float(c.cpus_per_node or c.processes_per_node)}
     gpus = int(c.gpus_per_node) if c.gpus_per_node != "auto" else c.processes_per_node if machine.visible_gpus() else 0
     if gpus:
         reserved["GPU"] = float(gpus)
-    return reserved
+    return {**reserved, **{name: float(amount) for name, amount in c.resources.items()}}
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
@@ -308,7 +308,8 @@ def _attempt(cfg: RunConfig, path: Path, run_id: str, restart: int, cancel) -> d
         on = [PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i) for i in range(nodes)]
         address, port = ray.get(_rendezvous.options(scheduling_strategy=on[0], num_cpus=0).remote())
         log.info("ray: %d node(s) placed; rendezvous %s:%d", nodes, address, port)
-        resources = {"num_cpus": need["CPU"], "num_gpus": need.get("GPU", 0)}
+        resources = {"num_cpus": need["CPU"], "num_gpus": need.get("GPU", 0),
+                     "resources": {k: v for k, v in need.items() if k not in ("CPU", "GPU")}}
         env = {"XTRAIN_RAY_RUN": run_id, **({machine.RESTART_ENV: str(restart)} if restart else {})}
         tasks = [_node.options(scheduling_strategy=on[i], **resources).remote(str(path), i, address, port, env)
                  for i in range(nodes)]

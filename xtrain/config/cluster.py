@@ -208,6 +208,9 @@ class RayConfig(ClusterConfig):
     """CPUs each node's task reserves (default: one per process)."""
     gpus_per_node: str = "auto"
     """GPUs each node's task reserves: `auto` (one per process where this machine has GPUs, else none) or a number."""
+    resources: Dict[str, float] = field(default_factory=dict)
+    """More of Ray's resources each node's task reserves: custom ones the nodes advertise (`ray start --resources`),
+    e.g. {accelerator_type:H100: 1}."""
     wait: bool = True
     """Follow the run to its end here; false: return once the run dir is written and the run handed to the cluster
     (a detached Ray actor that places it and restarts it after a lost node); follow it with xtrain.status."""
@@ -231,6 +234,11 @@ class RayConfig(ClusterConfig):
             positive("cluster.cpus_per_node", self.cpus_per_node)
         if not (self.gpus_per_node == "auto" or self.gpus_per_node.isdigit()):
             raise ConfigError(f"cluster.gpus_per_node={self.gpus_per_node}: must be a number (0 or more) or auto")
+        for name, amount in self.resources.items():
+            if name in ("CPU", "GPU"):
+                raise ConfigError(f"cluster.resources.{name}={amount:g}: set by cluster.{name.lower()}s_per_node; "
+                                  f"use that")
+            positive(f"cluster.resources.{name}", amount)
         if not self.address or _CONTROL.search(self.address):
             raise ConfigError(f"cluster.address={self.address!r}: give a Ray cluster's host:port, or auto")
 
