@@ -107,6 +107,24 @@ def test_a_node_lost_mid_run_restarts_on_the_node_left_and_follows_the_unbroken_
     assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 13))
 
 
+def test_a_node_lost_past_max_restarts_ends_the_run_failed_with_its_checkpoint(tmp_path):
+    """cluster.max_restarts=0: the first lost node ends the run `failed`, its error the command's one error line,
+    its checkpoint kept for resume=auto by hand, nothing left on the cluster."""
+    run_dir = tmp_path / "run"
+    proc = on_ray(tmp_path, f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.max_restarts=0",
+                  *PACED, "trainer.max_steps=400", "trainer.save_every=3", "trainer.eval_every=100",
+                  lose_node_when=run_dir / "checkpoints" / "step_00000003" / "xtrain_state.json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [last] = [line for line in proc.stderr.splitlines() if line.startswith("xtrain: error:")]  # (among Ray's lines)
+    assert re.fullmatch(r"xtrain: error: lost 1 of the run's 2 node\(s\) \(.*\); not restarted: the run has been "
+                        rf"restarted 0 time\(s\), cluster.max_restarts=0; continue with run_dir={run_dir} resume=auto",
+                        last), last
+    result = read_result(run_dir)
+    assert result["status"] == "failed" and last.endswith(result["error"]) and "restarts" not in result
+    assert (run_dir / "checkpoints" / "step_00000003" / "xtrain_state.json").is_file()
+    assert "left: 0 placement group(s), CPUs held 0" in proc.stdout
+
+
 def test_more_nodes_than_the_cluster_has_are_refused_before_anything_is_written(tmp_path):
     proc = on_ray(tmp_path, f"run_dir={tmp_path / 'run'}", "cluster.nodes=3", "cluster.num_processes=1")
     assert_one_line_error(proc, "cluster.nodes=3: the Ray cluster at", "has 2 of its 2 live node(s) with CPU 1",
