@@ -72,7 +72,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # The longest test files by their measured time on a 2-core CPU, the longest first (the rest follow in collection
 # order). Order only decides balance: a free worker takes the next file in line.
-LONGEST_FIRST = ("test_tune.py", "test_fsdp_on_cpu.py", "test_zero_on_cpu.py", "test_finetune.py", "test_launch.py",
+LONGEST_FIRST = ("test_tune.py", "test_ray.py", "test_fsdp_on_cpu.py", "test_zero_on_cpu.py", "test_finetune.py", "test_launch.py",
                  "test_sweep.py", "test_data.py", "test_compile.py", "test_pipeline.py", "test_mesh.py", "test_custom_task.py",
                  "test_fp8_on_cpu.py", "test_own_loop.py", "test_resume.py", "test_train.py", "test_seq_cls.py")
 
