@@ -83,7 +83,8 @@ def worker_lines(sweep_dir: Path) -> list[str]:
     for path in sorted((sweep_dir / rundir.WORKERS).glob("*"), key=lambda p: int(p.name) if p.name.isdigit() else -1):
         job = slurm_state(path)
         trial = path / rundir.WORKER_TRIAL
-        trial = f", trial {json.loads(trial.read_text())['trial']}" if trial.exists() else ""
+        number = json.loads(trial.read_text()).get("trial") if trial.exists() else None
+        trial = "" if number is None else f", trial {number}"
         if job:
             lines.append(f"worker {path.name}: {job}{trial}")
     return lines

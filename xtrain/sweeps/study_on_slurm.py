@@ -161,8 +161,8 @@ class Worker:
             point = study.next_point()
         with claiming(self.sweep_dir):
             study.finish()
-        write_atomic(here / rundir.WORKER_TRIAL, json.dumps({"job": array_job(), "restart": machine.restart_count(),
-                                                             "done": True}) + "\n")  # (the other nodes' end)
+        write_atomic(here / rundir.WORKER_TRIAL, json.dumps({  # (the other nodes' end; the trial it ran last)
+            "job": array_job(), "restart": machine.restart_count(), "trial": ran[-1] if ran else None, "done": True}) + "\n")
         rundir.update_result(here, {"status": rundir.Status.completed.value, "trials": ran})
         return {"status": "completed", "trials": ran}
 
@@ -174,7 +174,7 @@ class Worker:
             record = json.loads((here / rundir.WORKER_TRIAL).read_text())
         except FileNotFoundError:
             return None
-        if record["job"] != array_job() or "trial" not in record:  # an earlier array's (a resumed study continues
+        if record["job"] != array_job() or record.get("done"):  # an earlier array's (a resumed study continues
             return None  # those trials itself), or this worker had none left
         trial = study.optuna.get_trials(deepcopy=False)[record["trial"]]
         if trial.state.name != "RUNNING":
