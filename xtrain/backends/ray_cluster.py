@@ -151,18 +151,18 @@ def describe(cfg: RunConfig, script: bool = True) -> str:
 
     if cfg.cluster.kuberay:
         elastic.check_fewer(cfg)
-        preflight.check_free(cfg)
-        preflight.preflight(cfg, planning=True)
-        from xtrain.backends import kuberay
-
-        planned = plan.render(plan.for_this_machine(cfg, hardware.refusal(cfg)))
-        return "".join(f"# {line}\n" for line in planned.splitlines()) + kuberay.manifest(cfg)  # (all of it YAML)
-    check(cfg)
+    else:
+        check(cfg)
     preflight.check_free(cfg)
     preflight.preflight(cfg, planning=True)
+    planned = plan.render(plan.for_this_machine(cfg, hardware.refusal(cfg)))
+    if cfg.cluster.kuberay:
+        from xtrain.backends import kuberay
+
+        return "".join(f"# {line}\n" for line in planned.splitlines()) + kuberay.manifest(cfg)  # (all of it YAML)
     request = (f"ray: a placement group of {cfg.cluster.nodes} bundle(s) of "
                f"{ {k: v for k, v in bundle(cfg).items()} } (STRICT_SPREAD: one a node) at {cfg.cluster.address}")
-    return "\n".join([plan.render(plan.for_this_machine(cfg, hardware.refusal(cfg))), request])
+    return "\n".join([planned, request])
 
 
 def run(cfg: RunConfig) -> dict:
