@@ -30,7 +30,8 @@ def run_cluster() -> int:
     from ray.cluster_utils import Cluster
 
     # (a dead node noticed within ~3 s: its health checked every second, three misses)
-    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
+    # (and no Ray worker started before a task asks for one: each is an interpreter importing Ray, on CPUs the tests share)
+    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "enable_worker_prestart": False}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": args.cpus, "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False, "_system_config": system})
     added = [cluster.add_node(num_cpus=args.cpus, node_ip_address="127.0.0.1") for _ in range(args.nodes - 1)]

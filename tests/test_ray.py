@@ -125,28 +125,53 @@ def test_a_node_lost_past_max_restarts_ends_the_run_failed_with_its_checkpoint(t
     assert "left: 0 placement group(s), CPUs held 0" in proc.stdout
 
 
-def test_more_nodes_than_the_cluster_has_are_refused_before_anything_is_written(tmp_path):
-    proc = on_ray(tmp_path, f"run_dir={tmp_path / 'run'}", "cluster.nodes=3", "cluster.num_processes=1")
-    assert_one_line_error(proc, "cluster.nodes=3: the Ray cluster at", "has 2 of its 2 live node(s) with CPU 1",
-                          "cluster.nodes=2")
-    assert "left: 0 placement group(s)" in proc.stdout and not (tmp_path / "run").exists()
-    proc = on_ray(tmp_path, f"run_dir={tmp_path / 'run'}", "cluster.nodes=1", "cluster.num_processes=1",
-                  "+cluster.resources.special=1")  # (a custom resource no node advertises)
-    assert_one_line_error(proc, "cluster.nodes=1: the Ray cluster at", "has 0 of its 2 live node(s) with CPU 1, special 1")
-    assert not (tmp_path / "run").exists()
+def refused_on_ray(tmp_path: Path, *commands: str) -> list[subprocess.CompletedProcess]:
+    """Each bash command (`{address}`: the cluster's) run in turn against one fresh 2-node cluster, each as its own
+    process's result (Ray's no-route notes left out of its stderr); the cluster's report of what was left, in the
+    last one's stdout."""
+    steps = [f"{{ {command}; }} > {tmp_path}/out{i} 2> {tmp_path}/err{i}; echo $? > {tmp_path}/rc{i}"
+             for i, command in enumerate(commands)]
+    report = on_ray(tmp_path, script="; ".join(steps))
+    procs = [subprocess.CompletedProcess(command, int((tmp_path / f"rc{i}").read_text()),
+                                         (tmp_path / f"out{i}").read_text(),
+                                         "".join(line for line in (tmp_path / f"err{i}").read_text().splitlines(True)
+                                                 if not NO_ROUTE.match(line)))
+             for i, command in enumerate(commands)]
+    procs[-1].stdout += report.stdout
+    return procs
 
 
-def test_a_run_dir_the_nodes_do_not_see_is_refused_before_anything_is_written(tmp_path):
-    """xtrain runs in a mount namespace of its own with a tmpfs over the run dir's folder: the Ray nodes (outside it)
-    see the folder, but not what is written there. Refused in one line; the cluster is left as it was."""
+def on_the_cluster(*args: str) -> str:
+    return shlex.join([sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", *args])
+
+
+def test_what_the_cluster_cannot_hold_or_see_is_refused_before_anything_is_written(tmp_path):
+    """On one 2-node cluster, each refused in one line with nothing written: more nodes than it has; a custom resource
+    no node advertises; a sweep of 2 points of 2 nodes at once; a run dir the nodes do not see (xtrain in a mount
+    namespace of its own, a tmpfs over the run dir's folder: the nodes see the folder, not what is written there).
+    The cluster is left as it was."""
     private = tmp_path / "private"
     private.mkdir()
-    xtrain = shlex.join([sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}",
-                         f"run_dir={private / 'run'}", "cluster.nodes=2", "cluster.num_processes=1"])
-    proc = on_ray(tmp_path, script=f"unshare -m bash -c {shlex.quote(f'mount -t tmpfs none {private} && exec {xtrain}')}")
-    assert_one_line_error(proc, f"run_dir={private / 'run'}: the Ray node(s) at 127.0.0.1 do not see {private / 'run'} "
-                                "as this machine does", "put the run dir on storage every node mounts at the same path")
-    assert "left: 0 placement group(s), CPUs held 0" in proc.stdout and not any(private.iterdir())
+    unseen = on_the_cluster(f"run_dir={private / 'run'}", "cluster.nodes=2", "cluster.num_processes=1")
+    more, special, wide, blind = refused_on_ray(
+        tmp_path,
+        on_the_cluster(f"run_dir={tmp_path / 'run'}", "cluster.nodes=3", "cluster.num_processes=1"),
+        on_the_cluster(f"run_dir={tmp_path / 'run'}", "cluster.nodes=1", "cluster.num_processes=1",
+                       "+cluster.resources.special=1"),
+        on_the_cluster("-m", f"hydra.sweep.dir={tmp_path / 'wide'}", "cluster.nodes=2", "cluster.num_processes=1",
+                       "hydra.launcher.n_jobs=2", "trainer.lr=1e-3,2e-3"),
+        f"unshare -m bash -c {shlex.quote(f'mount -t tmpfs none {private} && exec {unseen}')}")
+    assert_one_line_error(more, "cluster.nodes=3: the Ray cluster at", "has 2 of its 2 live node(s) with CPU 1",
+                          "cluster.nodes=2")
+    assert_one_line_error(special, "cluster.nodes=1: the Ray cluster at",
+                          "has 0 of its 2 live node(s) with CPU 1, special 1")
+    assert_one_line_error(wide, "hydra.launcher.n_jobs=2: 2 points of 2 node(s) at once need 4 nodes",
+                          "has 2 that hold a point's node; use hydra.launcher.n_jobs=1")
+    assert_one_line_error(blind, f"run_dir={private / 'run'}: the Ray node(s) at 127.0.0.1 do not see "
+                                 f"{private / 'run'} as this machine does",
+                          "put the run dir on storage every node mounts at the same path")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "wide").exists() and not any(private.iterdir())
+    assert "left: 0 placement group(s), CPUs held 0, actors alive 0" in blind.stdout
 
 
 def test_an_address_where_nothing_answers_is_refused_in_one_line(tmp_path):
@@ -216,10 +241,9 @@ def test_rendezvous_settings_are_refused_under_ray(tmp_path):
     assert_one_line_error(proc, "cluster.main_process_port=29500: Ray places the nodes")
 
 
-def test_a_sweep_runs_its_points_at_once_as_ray_runs_and_refuses_what_the_cluster_cannot_hold(tmp_path):
+def test_a_sweep_runs_its_points_at_once_as_ray_runs(tmp_path):
     """Two points of one node each, both at once on the 2-node cluster (hydra.launcher.n_jobs=2): each completes as
-    the same run does here. Then two points of 2 nodes at once, which the cluster cannot hold: refused in one line
-    before anything is written."""
+    the same run does here."""
     sweep, alone = tmp_path / "sweep", tmp_path / "alone"
     run_xtrain(f"run_dir={alone}", "trainer.lr=2e-3", *SMALL)
     proc = on_ray(tmp_path, "-m", f"hydra.sweep.dir={sweep}", "cluster.num_processes=1", "hydra.launcher.n_jobs=2",
@@ -234,11 +258,6 @@ def test_a_sweep_runs_its_points_at_once_as_ray_runs_and_refuses_what_the_cluste
     [point] = [p for p in points if yaml.safe_load((p / "run.yaml").read_text())["trainer"]["lr"] == 2e-3]
     assert curve(point) == curve(alone)
 
-    refused = on_ray(tmp_path, "-m", f"hydra.sweep.dir={tmp_path / 'wide'}", "cluster.nodes=2",
-                     "cluster.num_processes=1", "hydra.launcher.n_jobs=2", "trainer.lr=1e-3,2e-3")
-    assert_one_line_error(refused, "hydra.launcher.n_jobs=2: 2 points of 2 node(s) at once need 4 nodes",
-                          "has 2 that hold a point's node; use hydra.launcher.n_jobs=1")
-    assert not (tmp_path / "wide").exists()
 
 
 def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_path):

@@ -24,11 +24,10 @@ def ray_version() -> str:
         return "2.40.0"
 
 
-def manifest(cfg: RunConfig) -> str:
-    """The RayCluster as YAML, after comments that say what it holds and how to run on it."""
-    from xtrain.backends.ray_cluster import bundle
-
-    c, need = cfg.cluster, bundle(cfg)
+def manifest(cfg: RunConfig, need: dict[str, float]) -> str:
+    """The RayCluster as YAML, after comments that say what it holds and how to run on it. `need`: what a node's task
+    reserves (`ray_cluster.bundle`)."""
+    c = cfg.cluster
     version, gpus = ray_version(), int(need.get("GPU", 0))
     image = f"rayproject/ray:{version}-py{sys.version_info.major}{sys.version_info.minor}{'-gpu' if gpus else ''}"
     folder = str(Path(cfg.run_dir).resolve().parent)
