@@ -1,7 +1,8 @@
-"""cluster=ray on a real Ray cluster of 2 nodes on this machine (tests/ray_cluster.py), in a network namespace of each
-test's own, on loopback only: a 2-node run follows the local 2-process run and leaves nothing on the cluster; a
-request the cluster cannot hold, an address where nothing answers and a sweep are refused before anything is
-written."""
+"""cluster=ray on a real Ray cluster of 2 nodes on this machine (tests/ray_cluster.py), in a network namespace of its
+own, on loopback only (one cluster for the module's tests; a test that loses a node has one of its own): a 2-node run
+follows the local 2-process run and leaves nothing on the cluster; a lost node restarts the run on the node left; a
+request the cluster cannot hold, an address where nothing answers and a sweep too wide are refused before anything is
+written; sweeps, studies, wait=false and Ctrl-C."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,26 +28,55 @@ SMALL = ["trainer.max_steps=6", "trainer.warmup_steps=2", "trainer.log_every=2",
 NO_ROUTE = re.compile(r"^\[[^]]+ W \d+ \d+\] network_util\.cc:\d+: Failed to determine local IP")
 
 
-def on_ray(tmp_path: Path, *xtrain_args: str, nodes: int = 2, lose_node_when: Path | None = None,
-           interrupt_when: Path | None = None, watch: Path | None = None, script: str | None = None
-           ) -> subprocess.CompletedProcess:
-    """`python -m xtrain cluster=ray ARGS` against a fresh Ray cluster of `nodes` nodes of 1 CPU each, in a network
-    namespace of its own (`unshare -n`: Ray binds 127.0.0.1 there); its stderr (Ray's no-route notes left out) as
-    the result's, the cluster's own output and what it says was left on it in stdout. `lose_node_when`: a file
-    whose existence makes a node other than the head lost, every process of it killed at once; `interrupt_when`: one
-    whose existence sends the command SIGINT; `watch`: a path whose processes left are counted. `script`: a bash
-    script to run instead (`{address}` in it: the cluster's)."""
+HARNESS = REPO / "tests" / "ray_cluster.py"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """One 2-node cluster of 1 CPU a node for the tests that lose no node, in a network namespace of its own
+    (`unshare -n`: Ray binds 127.0.0.1 there): its server's pid (whose namespace the tests' commands enter) and its
+    address. Each test asserts the cluster is left as it found it."""
+    folder = tmp_path_factory.mktemp("ray")
+    serve = [sys.executable, str(HARNESS), "--nodes", "2", "--cpus", "1", "--serve", str(folder / "address")]
+    with open(folder / "server.log", "w") as log:
+        server = subprocess.Popen(["unshare", "-n", "bash", "-c", f"ip link set lo up && exec {shlex.join(serve)}"],
+                                  stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        for _ in range(1200):
+            if (folder / "address").exists() or server.poll() is not None:
+                break
+            time.sleep(0.25)
+        assert (folder / "address").exists(), (folder / "server.log").read_text()
+        yield server.pid, (folder / "address").read_text()
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+
+
+def on_ray(tmp_path: Path, cluster: tuple[int, str] | None, *xtrain_args: str,
+           lose_node_when: Path | None = None, interrupt_when: Path | None = None, watch: Path | None = None,
+           script: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m xtrain cluster=ray ARGS` against `cluster` (the `ray_cluster` fixture's), or else a fresh Ray
+    cluster of 2 nodes of 1 CPU each in a network namespace of its own; its stderr (Ray's no-route notes left out) as
+    the result's, what the harness says (what was left on the cluster) in stdout. `lose_node_when` (a fresh cluster
+    only): a file whose existence makes a node other than the head lost, every process of it killed at once;
+    `interrupt_when`: one whose existence sends the command SIGINT; `watch`: a path whose processes left are
+    counted. `script`: a bash script to run instead (`{address}` in it: the cluster's)."""
     command = (["bash", "-c", script] if script else
                [sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", *xtrain_args])
     stderr = tmp_path / "xtrain.stderr"
     options = {"--lose-node-when": lose_node_when, "--interrupt-when": interrupt_when, "--watch": watch}
-    losing = [arg for option, value in options.items() if value for arg in (option, str(value))]
-    harness = [sys.executable, str(REPO / "tests" / "ray_cluster.py"), "--nodes", str(nodes), "--cpus", "1",
-               "--stderr", str(stderr), *losing, "--", *command]
-    script = f"ip link set lo up && exec {shlex.join(harness)}"
-    proc = subprocess.run(["unshare", "-n", "bash", "-c", script], capture_output=True, text=True, timeout=600,
-                          cwd=REPO)
-    proc.stdout += proc.stderr  # (the cluster's)
+    options = [arg for option, value in options.items() if value for arg in (option, str(value))]
+    assert not (cluster and lose_node_when), "a node is lost from a cluster of the test's own"
+    harness = [sys.executable, str(HARNESS), "--stderr", str(stderr), *options]
+    if cluster:
+        pid, address = cluster
+        argv = ["nsenter", f"--net=/proc/{pid}/ns/net", *harness, "--address", address, "--", *command]
+    else:
+        script = f"ip link set lo up && exec {shlex.join([*harness, '--nodes', '2', '--cpus', '1', '--', *command])}"
+        argv = ["unshare", "-n", "bash", "-c", script]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc.stdout += proc.stderr  # (the harness's)
     proc.stderr = "".join(line for line in stderr.read_text().splitlines(keepends=True) if not NO_ROUTE.match(line))
     return proc
 
@@ -55,11 +86,11 @@ def curve(run_dir) -> list[tuple]:
             if "train/loss" in r or "val/loss" in r]
 
 
-def test_a_2_node_ray_run_follows_the_local_2_process_run_and_leaves_nothing(tmp_path):
+def test_a_2_node_ray_run_follows_the_local_2_process_run_and_leaves_nothing(tmp_path, ray_cluster):
     local = tmp_path / "local"
     run_xtrain(f"run_dir={local}", "cluster.num_processes=2", *SMALL)
     ours = tmp_path / "ray"
-    proc = on_ray(tmp_path, f"run_dir={ours}", "cluster.nodes=2", "cluster.num_processes=1", *SMALL)
+    proc = on_ray(tmp_path, ray_cluster, f"run_dir={ours}", "cluster.nodes=2", "cluster.num_processes=1", *SMALL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ray: 2 node(s) placed; rendezvous 127.0.0.1:" in proc.stderr + proc.stdout
     assert "left: 0 placement group(s), CPUs held 0" in proc.stdout
@@ -84,8 +115,8 @@ def test_a_node_lost_mid_run_restarts_on_the_node_left_and_follows_the_unbroken_
              "trainer.save_every=4"]
     unbroken, ours = tmp_path / "unbroken", tmp_path / "ray"
     run_xtrain(f"run_dir={unbroken}", "cluster.num_processes=2", *steps)
-    proc = on_ray(tmp_path, f"run_dir={ours}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.min_nodes=1",
-                  "tracker=tensorboard", *steps, lose_node_when=ours / "checkpoints" / "step_00000004" / "xtrain_state.json")
+    proc = on_ray(tmp_path, None, f"run_dir={ours}", "cluster.nodes=2", "cluster.num_processes=1",
+                  "cluster.min_nodes=1", "tracker=tensorboard", *steps, lose_node_when=ours / "checkpoints" / "step_00000004" / "xtrain_state.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "lost: a node of" in proc.stdout and "left: 0 placement group(s), CPUs held 0" in proc.stdout
     result = read_result(ours)
@@ -111,8 +142,8 @@ def test_a_node_lost_past_max_restarts_ends_the_run_failed_with_its_checkpoint(t
     """cluster.max_restarts=0: the first lost node ends the run `failed`, its error the command's one error line,
     its checkpoint kept for resume=auto by hand, nothing left on the cluster."""
     run_dir = tmp_path / "run"
-    proc = on_ray(tmp_path, f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", "cluster.max_restarts=0",
-                  *PACED, "trainer.max_steps=400", "trainer.save_every=3", "trainer.eval_every=100",
+    proc = on_ray(tmp_path, None, f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1",
+                  "cluster.max_restarts=0", *PACED, "trainer.max_steps=400", "trainer.save_every=3", "trainer.eval_every=100",
                   lose_node_when=run_dir / "checkpoints" / "step_00000003" / "xtrain_state.json")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     [last] = [line for line in proc.stderr.splitlines() if line.startswith("xtrain: error:")]  # (among Ray's lines)
@@ -125,13 +156,13 @@ def test_a_node_lost_past_max_restarts_ends_the_run_failed_with_its_checkpoint(t
     assert "left: 0 placement group(s), CPUs held 0" in proc.stdout
 
 
-def refused_on_ray(tmp_path: Path, *commands: str) -> list[subprocess.CompletedProcess]:
-    """Each bash command (`{address}`: the cluster's) run in turn against one fresh 2-node cluster, each as its own
+def refused_on_ray(tmp_path: Path, cluster: tuple[int, str], *commands: str) -> list[subprocess.CompletedProcess]:
+    """Each bash command (`{address}`: the cluster's) run in turn against `cluster`, each as its own
     process's result (Ray's no-route notes left out of its stderr); the cluster's report of what was left, in the
     last one's stdout."""
     steps = [f"{{ {command}; }} > {tmp_path}/out{i} 2> {tmp_path}/err{i}; echo $? > {tmp_path}/rc{i}"
              for i, command in enumerate(commands)]
-    report = on_ray(tmp_path, script="; ".join(steps))
+    report = on_ray(tmp_path, cluster, script="; ".join(steps))
     procs = [subprocess.CompletedProcess(command, int((tmp_path / f"rc{i}").read_text()),
                                          (tmp_path / f"out{i}").read_text(),
                                          "".join(line for line in (tmp_path / f"err{i}").read_text().splitlines(True)
@@ -145,7 +176,7 @@ def on_the_cluster(*args: str) -> str:
     return shlex.join([sys.executable, "-m", "xtrain", "cluster=ray", "cluster.address={address}", *args])
 
 
-def test_what_the_cluster_cannot_hold_or_see_is_refused_before_anything_is_written(tmp_path):
+def test_what_the_cluster_cannot_hold_or_see_is_refused_before_anything_is_written(tmp_path, ray_cluster):
     """On one 2-node cluster, each refused in one line with nothing written: more nodes than it has; a custom resource
     no node advertises; a sweep of 2 points of 2 nodes at once; a run dir the nodes do not see (xtrain in a mount
     namespace of its own, a tmpfs over the run dir's folder: the nodes see the folder, not what is written there).
@@ -154,7 +185,7 @@ def test_what_the_cluster_cannot_hold_or_see_is_refused_before_anything_is_writt
     private.mkdir()
     unseen = on_the_cluster(f"run_dir={private / 'run'}", "cluster.nodes=2", "cluster.num_processes=1")
     more, special, wide, blind = refused_on_ray(
-        tmp_path,
+        tmp_path, ray_cluster,
         on_the_cluster(f"run_dir={tmp_path / 'run'}", "cluster.nodes=3", "cluster.num_processes=1"),
         on_the_cluster(f"run_dir={tmp_path / 'run'}", "cluster.nodes=1", "cluster.num_processes=1",
                        "+cluster.resources.special=1"),
@@ -241,13 +272,13 @@ def test_rendezvous_settings_are_refused_under_ray(tmp_path):
     assert_one_line_error(proc, "cluster.main_process_port=29500: Ray places the nodes")
 
 
-def test_a_sweep_runs_its_points_at_once_as_ray_runs(tmp_path):
+def test_a_sweep_runs_its_points_at_once_as_ray_runs(tmp_path, ray_cluster):
     """Two points of one node each, both at once on the 2-node cluster (hydra.launcher.n_jobs=2): each completes as
     the same run does here."""
     sweep, alone = tmp_path / "sweep", tmp_path / "alone"
     run_xtrain(f"run_dir={alone}", "trainer.lr=2e-3", *SMALL)
-    proc = on_ray(tmp_path, "-m", f"hydra.sweep.dir={sweep}", "cluster.num_processes=1", "hydra.launcher.n_jobs=2",
-                  "trainer.lr=1e-3,2e-3", *SMALL)
+    proc = on_ray(tmp_path, ray_cluster, "-m", f"hydra.sweep.dir={sweep}", "cluster.num_processes=1",
+                  "hydra.launcher.n_jobs=2", "trainer.lr=1e-3,2e-3", *SMALL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2 points at a time" in proc.stdout + proc.stderr and "left: 0 placement group(s), CPUs held 0" in proc.stdout
     points = sorted(p for p in sweep.iterdir() if (p / "result.json").exists())
@@ -260,7 +291,7 @@ def test_a_sweep_runs_its_points_at_once_as_ray_runs(tmp_path):
 
 
 
-def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_path):
+def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_path, ray_cluster):
     """A study of 3 trials of 2 nodes each (1 process a node), the median pruner after the first: each trial's run
     spans both nodes, and what Optuna recorded of each is what its run dir says (completed with its value, or pruned
     at a step boundary with a checkpoint)."""
@@ -269,8 +300,8 @@ def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_pa
     from xtrain.engine import study_settings
 
     sweep = tmp_path / "study"
-    proc = on_ray(tmp_path, "-m", f"run_dir={sweep}", "hydra/sweeper=xtrain_optuna", "hydra.sweeper.seed=0",
-                  "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_settings.n_startup_trials=1",
+    proc = on_ray(tmp_path, ray_cluster, "-m", f"run_dir={sweep}", "hydra/sweeper=xtrain_optuna",
+                  "hydra.sweeper.seed=0", "hydra.sweeper.n_trials=3", "hydra.sweeper.pruner_settings.n_startup_trials=1",
                   "hydra.sweeper.pruner_settings.n_warmup_steps=4", "trainer.lr=tag(log,interval(1e-4,3.0))",
                   "cluster.nodes=2", "cluster.num_processes=1", "trainer.max_steps=12", "trainer.warmup_steps=2",
                   "trainer.log_every=2", "trainer.eval_every=2", "trainer.save_every=2", "trainer.batch_size=4")
@@ -293,7 +324,7 @@ def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_pa
     assert {t.state.name for t in trials} == {"COMPLETE", "PRUNED"}  # (seeded: the first completes, two pruned)
 
 
-def test_wait_false_hands_the_run_to_the_cluster_and_xtrain_status_follows_it(tmp_path):
+def test_wait_false_hands_the_run_to_the_cluster_and_xtrain_status_follows_it(tmp_path, ray_cluster):
     """cluster.wait=false: the command returns while the run trains (xtrain.status, run at once, shows it unfinished);
     the run completes on the cluster on its own, and then nothing of it is left there, its actor included."""
     run_dir = tmp_path / "run"
@@ -302,7 +333,7 @@ def test_wait_false_hands_the_run_to_the_cluster_and_xtrain_status_follows_it(tm
                          "trainer.max_steps=40", "trainer.eval_every=20", "trainer.save_every=20"])
     status = shlex.join([sys.executable, "-m", "xtrain.status", str(run_dir)])
     result = run_dir / "result.json"
-    proc = on_ray(tmp_path, script=f"{xtrain} && echo HANDED && {status} && for i in $(seq 600); do "
+    proc = on_ray(tmp_path, ray_cluster, script=f"{xtrain} && echo HANDED && {status} && for i in $(seq 600); do "
                                    f"grep -q '\"completed\"' {result} 2>/dev/null && break; sleep 0.5; done && "
                                    f"echo FINAL && {status}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -313,11 +344,11 @@ def test_wait_false_hands_the_run_to_the_cluster_and_xtrain_status_follows_it(tm
     assert "left: 0 placement group(s), CPUs held 0, actors alive 0" in proc.stdout, proc.stdout
 
 
-def test_ctrl_c_cancels_a_ray_run_and_leaves_nothing_running(tmp_path):
+def test_ctrl_c_cancels_a_ray_run_and_leaves_nothing_running(tmp_path, ray_cluster):
     """SIGINT to the driver while both nodes train: exit 130, the run recorded `interrupted` with its checkpoint
     for resume=auto, no placement group or CPU held, and no process of the run left on any node."""
     run_dir = tmp_path / "run"
-    proc = on_ray(tmp_path, f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", *PACED,
+    proc = on_ray(tmp_path, ray_cluster, f"run_dir={run_dir}", "cluster.nodes=2", "cluster.num_processes=1", *PACED,
                   "trainer.max_steps=400", "trainer.save_every=3", "trainer.eval_every=100",
                   interrupt_when=run_dir / "checkpoints" / "step_00000003" / "xtrain_state.json", watch=run_dir)
     assert proc.returncode == 130, proc.stdout + proc.stderr
