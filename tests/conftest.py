@@ -320,8 +320,8 @@ def ddp_two_processes(tmp_path_factory) -> Path:
     return shared_run(tmp_path_factory, "ddp", "strategy=ddp", *SHARDED)
 
 
-def compose_run(*overrides: str) -> RunConfig:
-    """The typed config as the launcher sees it (num_processes=auto resolved for this machine)."""
+def compose_run(*overrides: str, resolve: bool = True) -> RunConfig:
+    """The typed config as the launcher sees it (num_processes=auto resolved for this machine, unless not `resolve`)."""
     from hydra import compose, initialize_config_module
 
     from xtrain.commands import cli
@@ -329,7 +329,7 @@ def compose_run(*overrides: str) -> RunConfig:
     cli.register_schemas()
     with initialize_config_module(config_module="xtrain.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["run_dir=/tmp/unused", *overrides])
-    return resolve_auto(schema.from_container(cfg))
+    return resolve_auto(schema.from_container(cfg)) if resolve else schema.from_container(cfg)
 
 
 def refusal(*overrides: str) -> str:

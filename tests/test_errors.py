@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ZERO_ON_CPU, assert_one_line_error, refusal, run_xtrain, xtrain_in_process
+from conftest import ZERO_ON_CPU, assert_one_line_error, compose_run, refusal, run_xtrain, xtrain_in_process
 from xtrain.core import runlock
 
 
@@ -37,9 +37,8 @@ def snapshot(root: Path) -> dict[str, str]:
         (["trainer.compile=maybe"], ["trainer.compile=maybe: not a valid bool; use true or false"]),
         (["precision.fp8_skip=self_attn"],
          ["precision.fp8_skip=self_attn: not a list; give one in brackets, e.g. precision.fp8_skip=[self_attn]"]),
-        (["cluster=slurm", "cluster.sbatch_args=[mail-type]"], ["cluster.sbatch_args=[mail-type]: not a mapping; set its keys, e.g. "
-                                               "cluster.sbatch_args.KEY=VALUE, or give one in braces: "
-                                               "'cluster.sbatch_args={KEY: VALUE}'"]),
+        (["cluster=slurm", "cluster.sbatch_args=[mail-type]"],
+         ["cluster.sbatch_args=[mail-type]: not a mapping; add its keys with a plus, e.g. +cluster.sbatch_args.KEY=VALUE"]),
         (["trainer.optimizer=sgd"], ["trainer.optimizer=sgd: not a mapping"]),
         (["trainer.bacth_size=8"], ["trainer.bacth_size=8", "no such setting", "did you mean trainer.batch_size?"]),
         (["resum=auto"], ["resum=auto", "no such setting", "did you mean resume?"]),
@@ -139,6 +138,28 @@ def test_a_mistake_is_refused_with_the_closest_real_option(tmp_path, overrides, 
     line = assert_one_line_error(xtrain_in_process(f"run_dir={run_dir}", *overrides, check=False), expected)
     assert line == f"xtrain: error: {expected}"
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("overrides,fix,kept", [
+    (["cluster=ray", "cluster.resources={a: 1, b: 2}"], ["+cluster.resources.a=1", "+cluster.resources.b=2"],
+     {"cluster.resources": {"a": 1.0, "b": 2.0}}),
+    (["cluster=ray", "cluster.resources.a=1"], ["+cluster.resources.a=1"], {"cluster.resources": {"a": 1.0}}),
+    (["cluster=slurm", "cluster.sbatch_args={mail-type: END}"], ["+cluster.sbatch_args.mail-type=END"],
+     {"cluster.sbatch_args": {"mail-type": "END"}}),
+    (["trainer.optimizer._target_=torch.optim.SGD", "trainer.optimizer.momentum=0.9"], ["+trainer.optimizer.momentum=0.9"],
+     {"trainer.optimizer": {"_target_": "torch.optim.SGD", "momentum": 0.9}}),
+    (["trainer.optimizer={_target_: torch.optim.SGD, momentum: 0.9}"],
+     ["trainer.optimizer._target_=torch.optim.SGD", "+trainer.optimizer.momentum=0.9"],
+     {"trainer.optimizer": {"_target_": "torch.optim.SGD", "momentum": 0.9}}),
+])
+def test_a_new_key_of_a_mapping_without_a_plus_is_refused_with_the_overrides_that_set_it(overrides, fix, kept):
+    """A mapping that takes keys of the user's own (cluster.resources, cluster.sbatch_args, trainer.optimizer), given
+    a new key without `+` (or whole, in braces): one line naming it and the overrides that set it, which do."""
+    [(mapping, values)] = kept.items()
+    assert refusal(*overrides) == (f"{overrides[-1]}: {mapping} takes keys of your own, each added with a plus: "
+                                   f"{' '.join(fix)}")
+    group, field = mapping.split(".")
+    assert dict(getattr(getattr(compose_run(*overrides[:-1], *fix, resolve=False), group), field)) == values
 
 
 def test_resume_pointing_at_a_non_checkpoint(tmp_path):

@@ -183,6 +183,22 @@ def override_of(key: str) -> tuple[str, str | None]:
     return key, None
 
 
+def new_key_of_mapping(key: str, name: str, value: str | None, present: set[str]) -> str:
+    """The one line for `key`, a new key of a mapping that takes the user's own (cluster.resources,
+    trainer.optimizer), given without a plus (as `name=value`: the key itself, or the mapping in braces); `present`:
+    the mapping's keys already there (set without one)."""
+    import yaml
+
+    mapping = key.rpartition(".")[0]
+    try:
+        given = yaml.safe_load(value) if name == mapping else None
+    except yaml.YAMLError:
+        given = None
+    pairs = given.items() if isinstance(given, dict) and given else [(key.rpartition(".")[2], value or "VALUE")]
+    fix = " ".join(f"{'' if k in present else '+'}{mapping}.{k}={v}" for k, v in pairs)
+    return f"{name}{'' if value is None else '=' + value}: {mapping} takes keys of your own, each added with a plus: {fix}"
+
+
 def explain(err: Exception, settings: dict[str, str]) -> str:
     """One line for a Hydra / OmegaConf composition error: the setting, the bad value, what would work.
     `settings`: every dotted key a user can set (for the one a typo meant), as `unknown_setting` takes them."""
@@ -203,6 +219,9 @@ def explain(err: Exception, settings: dict[str, str]) -> str:
             return f"{override.group(1)}: no function {function.group(1)} in Hydra's sweep grammar; {hint}"
         return text
     name, value = override_of(key)
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and "Dict[" in str(cause.ref_type):
+        given = override_of(key) if value is not None else override_of(key.rpartition(".")[0])
+        return new_key_of_mapping(key, *given, set(cause.parent_node or ()))
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_setting(name, value, settings)
     if isinstance(cause, MissingMandatoryValue):
@@ -216,5 +235,5 @@ def explain(err: Exception, settings: dict[str, str]) -> str:
     elif "is not a ListConfig, list or tuple" in reason:
         reason = f"not a list; give one in brackets, e.g. {name}=[{value}]"
     elif re.match(r"Cannot assign \w+ to Dict\[|Cannot merge DictConfig with ListConfig", reason):
-        reason = f"not a mapping; set its keys, e.g. {name}.KEY=VALUE, or give one in braces: '{name}={{KEY: VALUE}}'"
+        reason = f"not a mapping; add its keys with a plus, e.g. +{name}.KEY=VALUE"
     return f"{name}{'' if value is None else '=' + value}: {reason}"
