@@ -291,3 +291,34 @@ def test_workers_putting_trials_back_at_once_lose_none(tmp_path):
         assert w.exitcode == 0
     queued = study_settings.load(settings).user_attrs[study.AGAIN]
     assert sorted(queued) == sorted(w * 100 + i for w in range(4) for i in range(20))
+
+
+def test_the_other_nodes_of_a_multi_node_trial_end_when_the_first_nodes_process_does(tmp_path, monkeypatch):
+    """Where a study's trials span nodes, the other nodes follow the first (which asks for the trials): while its
+    process beats they wait, and end `completed` once it says the study is done; once its beat stops changing for
+    SILENT_S (it died without saying so) they end `failed`, not wait out the job's time limit."""
+    import threading
+
+    from xtrain.core import rundir
+    from xtrain.sweeps import study_on_slurm
+
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setattr(study_on_slurm, "BEAT_S", 0.05)
+    monkeypatch.setattr(study_on_slurm, "SILENT_S", 1.0)
+    done = json.dumps({"job": "7", "restart": 0, "trial": None, "done": True})
+    stop = study_on_slurm.beating(tmp_path)
+    threading.Timer(3.0, lambda: (tmp_path / rundir.WORKER_TRIAL).write_text(done)).start()
+    began = time.monotonic()
+    try:
+        assert study_on_slurm.trials_named(tmp_path) == {"status": "completed", "trials": []}
+        assert time.monotonic() - began >= 3.0  # (waited past SILENT_S while the first node beat)
+    finally:
+        stop.set()
+    (tmp_path / rundir.WORKER_TRIAL).unlink()
+    began = time.monotonic()
+    ended = study_on_slurm.trials_named(tmp_path)  # (the beat's file is there, no longer changing)
+    assert 1.0 <= time.monotonic() - began < 5.0
+    assert ended["status"] == "failed" and ended["trials"] == [], ended
+    assert ended["error"] == (f"the first node of this worker ({tmp_path}) has not been heard from for 1 s (its process "
+                              "ended without saying the study is done); this node stops")

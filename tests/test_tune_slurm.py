@@ -113,7 +113,10 @@ def test_a_study_s_trials_span_both_nodes_of_their_workers_allocation(tmp_path):
         assert trials[int(path.name.split("_")[0])].value == result["val_loss"]
     [worker] = sorted((sweep_dir / "workers").glob("*"))
     assert read_result(worker)["trials"] == [0, 1]
-    assert json.loads((worker / "current.json").read_text()) | {"job": None} == {"job": None, "restart": 0, "trial": 1, "done": True}
+    record = json.loads((worker / "current.json").read_text())
+    assert record | {"job": None} == {"job": None, "restart": 0, "trial": 1, "done": True}
+    job, restart, beats = (worker / "first-node.beat").read_text().split()  # (the first node's, while it lived)
+    assert (job, restart) == (record["job"], "0") and int(beats) >= 1
 
 
 @pytest.mark.parametrize("overrides, expected", [

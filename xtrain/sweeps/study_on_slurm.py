@@ -6,7 +6,9 @@ lock file beside the journal, safe on a shared filesystem).
 
 A trial may span nodes (`cluster.nodes` > 1): each worker's allocation is then a trial's nodes. Its first node asks
 for the trials and names each in the worker dir's `current.json`; every other node trains each named trial as that
-trial's node (`run_node`), until the first node says there are none left.
+trial's node (`run_node`), until the first node says there are none left, or until the first node's process, which
+beats every few seconds in the worker dir, has been silent for `SILENT_S` (it died: the others end, not wait out the
+job's time limit).
 
 A worker whose job SLURM requeues (time limit, preemption, `scontrol requeue`) continues the trial it was
 running, in that trial's own run dir (named by the worker dir's `current.json`): it stays one trial. The
@@ -35,6 +37,9 @@ log = logging.getLogger("xtrain")
 LOCK = "study.ask"  # beside the journal: Optuna's own open-exclusive lock, `.lock` appended
 LOCK_GRACE_S = 300  # a lock held longer was left by a worker that died while asking: it is taken over
 RESOLVED = ("gpus_per_node", "cpus_per_task", "num_processes")  # what the submitting machine resolved
+BEAT = "first-node.beat"  # in a worker's dir whose trials span nodes: its first node's process is alive
+BEAT_S = 5.0
+SILENT_S = 120.0  # the other nodes' patience with a first node whose beat has not changed
 
 
 def check(run: Study) -> None:
@@ -139,6 +144,8 @@ class Worker:
         here, index = Path(worker_dir), int(Path(worker_dir).name)
         if submitit.JobEnvironment().node:
             return trials_named(here)
+        if submitit.JobEnvironment().num_nodes > 1:
+            beating(here)
         study = Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)
         study.on_slurm = True
         study.claiming = lambda: claiming(self.sweep_dir)
@@ -187,13 +194,34 @@ class Worker:
         return point
 
 
+def beating(here: Path):
+    """The first node's beat, from a thread of its own while its process lives (or until the event returned is set):
+    this attempt of the job and a count (the other nodes see it change; no clock is compared between nodes)."""
+    import itertools
+    import threading
+
+    stop = threading.Event()
+
+    def beat() -> None:
+        attempt = f"{array_job()} {machine.restart_count()}"
+        for count in itertools.count():
+            write_atomic(here / BEAT, f"{attempt} {count}\n")
+            if stop.wait(BEAT_S):
+                return
+
+    threading.Thread(target=beat, name="xtrain-first-node-beat", daemon=True).start()
+    return stop
+
+
 def trials_named(here: Path) -> dict:
     """A worker's node other than its first, where trials span nodes: each trial the first node names in
-    `current.json` (in this attempt of the job), trained as that trial's node, until it names none."""
+    `current.json` (in this attempt of the job), trained as that trial's node, until it names none, or its beat
+    stops (its process died)."""
     from xtrain.backends import local
     from xtrain.backends.slurm.node import run_node
 
     ran: list[int] = []
+    beat, heard = None, time.monotonic()
     while True:
         try:
             record = json.loads((here / rundir.WORKER_TRIAL).read_text())
@@ -203,6 +231,14 @@ def trials_named(here: Path) -> dict:
         if ours and record.get("done"):
             return {"status": "completed", "trials": ran}
         if not ours or record.get("trial") in ran:
+            with contextlib.suppress(FileNotFoundError):
+                if (now := (here / BEAT).read_text()) != beat:
+                    beat, heard = now, time.monotonic()
+            if time.monotonic() - heard > SILENT_S:
+                error = (f"the first node of this worker ({here}) has not been heard from for {SILENT_S:g} s (its "
+                         "process ended without saying the study is done); this node stops")
+                log.error("%s", error)
+                return {"status": "failed", "error": error, "trials": ran}
             time.sleep(0.5)  # (the first node is asking for the next trial, or writing it)
             continue
         try:
