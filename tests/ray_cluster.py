@@ -53,7 +53,10 @@ def start_cluster(nodes: int, cpus: int):
 
     # (a dead node noticed within ~3 s: its health checked every second, three misses)
     # (and no Ray worker started before a task asks for one: each is an interpreter importing Ray, on CPUs the tests share)
-    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "enable_worker_prestart": False}
+    # (and no warning that the disk is nearly full: the machines the tests run on share theirs, and the raylets'
+    # warnings reach every driver's stderr, between a refusal's one line)
+    system = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "enable_worker_prestart": False,
+              "local_fs_capacity_threshold": 1.0}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": cpus, "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False, "_system_config": system})
     added = [cluster.add_node(num_cpus=cpus, node_ip_address="127.0.0.1") for _ in range(nodes - 1)]
