@@ -78,7 +78,7 @@ def test_a_mix_of_formats_and_empty_or_undecodable_text(tmp_path, cache):
     docs = list(documents(300_000, seed=2))
     assert len(docs) > 8
     write(tmp_path / "a.jsonl", docs[:3] + ["", None] + docs[3:5])  # an empty and a null text
-    (tmp_path / "b.txt").write_bytes("caf\xe9 cr\xe8me ".encode("latin-1") * 200)
+    (tmp_path / "b.txt").write_bytes(("caf\xe9 cr\xe8me " + "plain text " * 10).encode("latin-1") * 200)
     write(tmp_path / "c.parquet", docs[5:])
     prepared = prepare("data=text", f"data.files=[{tmp_path}/a.jsonl,{tmp_path}/b.txt,{tmp_path}/c.parquet]")
     meta = prepared.meta

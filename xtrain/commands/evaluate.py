@@ -84,7 +84,6 @@ def evaluate_here(run_dir: Path, cfg, options: dict) -> dict | None:
     from torch.utils.data import DataLoader
 
     from xtrain.engine import evaluation
-    from xtrain.tasks.exports import load_model
     from xtrain.tasks.registry import task_for
 
     from xtrain.core import machine
@@ -96,7 +95,7 @@ def evaluate_here(run_dir: Path, cfg, options: dict) -> dict | None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # (loading a model's shards: a bar in the middle of the output)
-    model = load_model(run_dir, incomplete=options["incomplete"] == "true")
+    model = checked_model(run_dir, options["incomplete"] == "true")
     if options["prompts"]:
         return answer(accelerator, task, model, run_dir, options)
     data = task.data()
@@ -117,6 +116,27 @@ def evaluate_here(run_dir: Path, cfg, options: dict) -> dict | None:
     if options["predictions"]:
         write_predictions(Path(options["predictions"]), outputs, getattr(task, "label_names", None))
     return record
+
+
+def checked_model(run_dir: Path, incomplete: bool):
+    """`load_model`'s model, where model/ matches the digests its export recorded; one line where it does not, or
+    where it cannot be loaded."""
+    from xtrain.core import owned
+    from xtrain.core.errors import one_line
+    from xtrain.tasks.exports import load_model
+
+    folder = run_dir if (run_dir / owned.MANIFEST).is_file() else run_dir / rundir.MODEL
+    damage = owned.manifest_damage(folder) if folder.is_dir() else None
+    if damage:
+        raise ConfigError(f"{folder}: {damage}; the model was not loaded: write it again from a checkpoint (python -m "
+                          f"xtrain.export {run_dir}), or resume the run")
+    try:
+        return load_model(run_dir, incomplete=incomplete)
+    except (NotCompleted, ConfigError):
+        raise
+    except Exception as err:  # (transformers, safetensors and json raise many kinds for a damaged model folder)
+        raise ConfigError(f"{folder}: cannot be loaded ({type(err).__name__}: {one_line(err)[:160]}); write it "
+                          f"again from a checkpoint (python -m xtrain.export {run_dir}), or resume the run") from None
 
 
 def write_predictions(path: Path, outputs, label_names) -> None:

@@ -9,12 +9,16 @@ adapter in `DIR/adapter`. `out` (default `RUN_DIR/exports/step_N`) must not exis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from xtrain.commands import cli
-from xtrain.core import rundir
+from xtrain.core import owned, rundir
 from xtrain.core.errors import ConfigError
 
 OPTIONS = ("step", "out")
@@ -54,6 +58,45 @@ def checkpoint_at(run_dir: Path, step: str | None) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def held(run_dir: Path, step: str | None, beside: Path):
+    """The checkpoint to export (`checkpoint_at`) as a hard-linked snapshot in `beside`, checked against its digests:
+    pruning by a run that trains now cannot remove it under the export (a copy where links cannot be made). A
+    checkpoint pruned while it was linked gives way to the newest one (`step` not given)."""
+    beside.mkdir(parents=True, exist_ok=True)
+    for attempt in range(5):
+        checkpoint = checkpoint_at(run_dir, step)
+        snapshot = Path(tempfile.mkdtemp(prefix=f".tmp-{checkpoint.name}-", dir=beside))
+        try:
+            for source in sorted(checkpoint.rglob("*")):
+                target = snapshot / source.relative_to(checkpoint)
+                if source.is_dir():
+                    target.mkdir(exist_ok=True)
+                    continue
+                try:
+                    os.link(source, target)
+                except OSError as err:
+                    if err.errno == errno.ENOENT:
+                        raise
+                    shutil.copy2(source, target)
+        except FileNotFoundError:  # pruned as it was linked
+            shutil.rmtree(snapshot, ignore_errors=True)
+            if step is not None:
+                raise ConfigError(f"step={step}: the run pruned that checkpoint as it was read; give a newer step") from None
+            continue
+        try:
+            from xtrain.engine.checkpoint import failure
+
+            why = failure(snapshot)
+            if why:
+                raise ConfigError(f"{checkpoint} fails its check: {why}; give another with step=N")
+            yield checkpoint, snapshot
+        finally:
+            shutil.rmtree(snapshot, ignore_errors=True)
+        return
+    raise ConfigError(f"{run_dir}: its checkpoints were pruned faster than they could be read; export it again")
+
+
 def export(run_dir: Path, checkpoint: Path, out: Path) -> None:
     """The model at `checkpoint`, exported into `out` (written aside, then renamed into place)."""
     from accelerate import Accelerator
@@ -78,15 +121,16 @@ def export(run_dir: Path, checkpoint: Path, out: Path) -> None:
     if unexpected or (missing and not lora) or (lora and trained & set(missing)):
         raise ConfigError(f"{checkpoint}: its weights do not fit the model run.yaml describes "
                           f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
-    tmp = out.parent / f".tmp-{out.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    task.export(model, model.state_dict(), tmp)
-    made = tmp / rundir.MODEL
-    if (tmp / "adapter").is_dir():
-        (tmp / "adapter").rename(made / "adapter")
-    made.rename(out)
-    shutil.rmtree(tmp)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        task.export(model, model.state_dict(), tmp)
+        made = tmp / rundir.MODEL
+        if (tmp / "adapter").is_dir():
+            (tmp / "adapter").rename(made / "adapter")
+        owned.write_manifest(made)
+        made.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,8 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         configure_logging()
         from xtrain.engine.accelerator import library_notes_quieted
 
-        with library_notes_quieted():
-            export(run_dir, checkpoint, out)
+        with library_notes_quieted(), held(run_dir, options.get("step"), out.parent) as (checkpoint, snapshot):
+            out = Path(options.get("out") or run_dir / EXPORTS / checkpoint.name)
+            if out.exists():
+                raise ConfigError(f"out={out}: exists already; give a new directory")
+            export(run_dir, snapshot, out)
     except ConfigError as err:
         cli.fail(str(err))
     print(f"exported {checkpoint} to {out}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from xtrain.backends.slurm import monitor
 from xtrain.core import rundir
+from xtrain.core.errors import ConfigError
 from xtrain.engine import goodput
 from xtrain.sweeps import summary
 
@@ -135,10 +136,14 @@ def main() -> None:
         print(USAGE.splitlines()[0], file=sys.stderr)
         sys.exit(2)
     path = Path(sys.argv[1])
-    if rundir.is_sweep_dir(path):
-        print(sweep_status(path))
-    elif (path / rundir.RUN_CONFIG).is_file():
-        print(run_status(path))
+    try:
+        shown = sweep_status(path) if rundir.is_sweep_dir(path) else \
+            run_status(path) if (path / rundir.RUN_CONFIG).is_file() else None
+    except ConfigError as err:
+        print(f"xtrain.status: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if shown is not None:
+        print(shown)
     elif not path.exists():
         print(f"xtrain.status: error: {path}: no such directory", file=sys.stderr)
         sys.exit(2)

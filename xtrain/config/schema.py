@@ -279,7 +279,20 @@ def upgraded(record: dict) -> dict:
 
 
 def load(path: str) -> RunConfig:
-    """A run dir's run.yaml."""
+    """A run dir's run.yaml; a ConfigError naming it where it is damaged."""
+    import yaml
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    return from_container(upgraded(OmegaConf.to_container(OmegaConf.load(path))))
+    from xtrain.core.errors import ConfigError
+    from xtrain.core.rundir import unreadable
+
+    try:
+        loaded = OmegaConf.to_container(OmegaConf.load(path))
+        if not isinstance(loaded, dict):
+            raise ValueError("not a run config")
+        return from_container(upgraded(loaded))
+    except ConfigError:
+        raise
+    except (yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException, ValueError, KeyError, TypeError) as err:
+        raise unreadable(path, err) from None

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable, TypedDict
 
 from xtrain.core import machine
+from xtrain.core.errors import ConfigError, one_line
 from xtrain.core.files import write_atomic
 
 RUN_CONFIG = "run.yaml"
@@ -110,12 +111,25 @@ class Result(TypedDict, total=False):
     slurm_state: str  # the SLURM job's end state, where it says more than `status`
 
 
+def unreadable(path: Path, err: BaseException | str) -> ConfigError:
+    """A run dir's file that is cut short or garbled (damaged on disk: xtrain replaces its files whole), in one line."""
+    why = err if isinstance(err, str) else f"{type(err).__name__}: {one_line(err)[:120]}"
+    return ConfigError(f"{path}: cut short or garbled ({why}); xtrain changed nothing: restore it from a copy, "
+                       "or give another run dir")
+
+
 def read_result(run_dir: Path) -> dict:
-    """result.json, or {} before it is written."""
+    """result.json, or {} before it is written; a ConfigError where it is damaged."""
+    path = Path(run_dir) / RESULT
     try:
-        return json.loads((Path(run_dir) / RESULT).read_text())
+        result = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
+    except (ValueError, UnicodeDecodeError) as err:
+        raise unreadable(path, err) from None
+    if not isinstance(result, dict):
+        raise unreadable(path, f"a JSON {type(result).__name__}, not an object")
+    return result
 
 
 def result_bytes(run_dir: Path) -> bytes | None:

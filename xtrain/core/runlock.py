@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from xtrain.core import owned
 from xtrain.core.errors import ConfigError
 
 LOCK = ".lock"
@@ -121,6 +122,7 @@ def holding(run_dir: str | Path, take: bool = True):
             if take:
                 _held[key][1] -= 1
         return
+    owned.check_run_dir(run_dir, parts=False)  # (before its lock file is written: a user's folder stays as it is)
     check_writable(run_dir)
     made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]  # (removed again if left empty)
     try:
@@ -172,9 +174,11 @@ def _read_only(path: Path) -> bool:
 
 
 def check_free(run_dir: str | Path) -> None:
-    """A ConfigError where `run_dir` cannot be written, or naming the live process that trains into it now, if
+    """A ConfigError where `run_dir` is not a folder a run may write into (owned.py), cannot be written, or naming
+    the live process that trains into it now, if
     another one does."""
     run_dir = Path(run_dir)
+    owned.check_run_dir(run_dir, parts=False)
     check_writable(run_dir)
     path = run_dir / LOCK
     if os.path.realpath(run_dir) in _held or not path.exists():

@@ -1,10 +1,10 @@
 """Where documents come from, in a fixed order: CPython's bundled documentation (`pydoc`), local files
 (`text`), a datasets hub name or `save_to_disk` directory (`hf`).
 
-Files are read through datasets' own builders, chosen by extension (`FORMATS`); a record format holds a
-document per record, its text in `data.text_column`; any other file is one document (UTF-8, undecodable
-bytes replaced and counted). Records whose text is empty or null are skipped and counted. Nothing is held
-whole in memory: a source yields its documents in batches.
+Record files are read through datasets' own builders, chosen by extension (`FORMATS`): a document per record, its
+text in `data.text_column`. Any other file is one document, read in bounded pieces (textfile.py: UTF-8, stray bytes
+that are not text replaced and counted, binary data refused). Records whose text is empty or null are skipped and
+counted. Nothing is held whole in memory: a source yields its documents in batches.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Iterator
 
 from xtrain.config.schema import DataConfig, DataSource
 from xtrain.core.errors import ConfigError
+from xtrain.data import textfile
 
 log = logging.getLogger("xtrain")
 
@@ -35,7 +36,7 @@ FORMATS = {
     ".parquet": ("parquet", {}),
     ".csv": ("csv", {}),
 }
-TEXT = ("text", {"sample_by": "document", "encoding_errors": "replace"})
+TEXT = ("text", {})  # read by textfile.py
 FILES_PER_READ = 64  # text files read by one builder call (a document each)
 SAMPLE_FILES = 64  # files a tokenizer's training sample is drawn from, spread over the corpus
 BATCH = 1000  # records per batch read
@@ -122,6 +123,11 @@ class Files:
 
     def _read(self, group: list[str], counts: Counts) -> Iterator[list[str]]:
         builder = file_format(group[0])[0]
+        if builder == "text":
+            for path in group:
+                for piece in textfile.pieces(path, counts):
+                    yield [piece]
+            return
         column = "text" if builder == "text" else self.column
         seen = 0
         for batch in raw_batches(group):
@@ -131,8 +137,6 @@ class Files:
                 )
             texts = keep_texts(batch[column], counts, lambda i: f"{group[0]} record {seen + i + 1}", column)
             seen += len(batch[column])
-            if builder == "text":
-                counts.replaced += sum(t.count("\ufffd") for t in texts)
             yield texts
 
     def sample(self, budget_chars: int) -> Iterator[str]:
@@ -158,9 +162,9 @@ def raw_batches(group: list[str]) -> Iterator[dict]:
 
 
 def within(texts: Iterator[str], budget_chars: int) -> Iterator[str]:
-    """Texts until `budget_chars` characters are reached (the last one in whole)."""
+    """Texts until `budget_chars` characters are reached (the last one cut there)."""
     for text in texts:
-        yield text
+        yield text[:budget_chars]
         budget_chars -= len(text)
         if budget_chars <= 0:
             return

@@ -285,12 +285,27 @@ def keep_effective_batch(cfg):
 
 
 def remove_partial(run_dir: str | Path) -> None:
-    """Remove leftovers of saves that were interrupted (never complete checkpoints)."""
+    """Remove leftovers of saves that were interrupted (`.tmp-step_N`: never complete checkpoints)."""
     root = checkpoints_dir(run_dir)
     if root.is_dir():
         for p in root.iterdir():
-            if p.name.startswith(".tmp-") or (CHECKPOINT_NAME.match(p.name) and not (p / CHECKPOINT_STATE).is_file()):
+            if p.name.startswith(".tmp-") and p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(path: Path) -> None:
+    """Remove a complete checkpoint, where it holds only the files its state lists (a file put in it by hand stays,
+    and so does the checkpoint)."""
+    try:
+        listed = set(json.loads((path / CHECKPOINT_STATE).read_text()).get(FILES, {})) | {CHECKPOINT_STATE}
+    except (OSError, ValueError):
+        listed = None
+    held = {p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir() or p.is_symlink()}
+    if listed is None or held - listed:
+        log.warning("checkpoints: %s is kept (it holds files xtrain did not write: %s)", path,
+                    ", ".join(sorted(held - (listed or set()))[:4]))
+        return
+    shutil.rmtree(path)
 
 
 def save(accelerator, run_dir: str | Path, step: int, state: dict, keep: int, only_trainable: bool = False) -> Path:
@@ -345,7 +360,7 @@ def publish(run_dir: str | Path, tmp: Path, step: int, state: dict, keep: int) -
     fsync_dir(tmp)
     replace_dir(tmp, final)
     for stale in complete_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(stale)
+        prune(stale)
     return final
 
 

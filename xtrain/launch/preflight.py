@@ -21,7 +21,7 @@ from xtrain.config import schema
 from xtrain.config.cluster import ClusterConfig, ClusterKind
 from xtrain.config.schema import RunConfig
 from xtrain.config.task import check_monitor
-from xtrain.core import rundir, runlock
+from xtrain.core import owned, rundir, runlock
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
 from xtrain.parallel import fp8, plugins, strategies, zero
@@ -221,8 +221,10 @@ def taken_back_if_refused(path: Path):
 
 def check_free(cfg: RunConfig) -> None:
     """Refuse to start over a run that is there already (unless resuming), or into a run dir that another process
-    trains into now."""
+    trains into now; or into a folder that is not empty and holds no run, or whose model/ or checkpoints/ hold files
+    xtrain did not write (core/owned.py)."""
     runlock.check_free(cfg.run_dir)
+    owned.check_run_dir(cfg.run_dir)
     if cfg.resume == "none" and rundir.holds_run(Path(cfg.run_dir)):
         raise ConfigError(
             f"run_dir={cfg.run_dir}: already holds a run; continue it with resume=auto, or choose a new run_dir"

@@ -24,7 +24,7 @@ from typing import Callable
 
 from xtrain.config import schema
 from xtrain.config.point import Point
-from xtrain.core import rundir
+from xtrain.core import owned, rundir
 from xtrain.core.errors import ConfigError, SweepFailed
 from xtrain.core.files import write_atomic
 from xtrain.core.rundir import Status
@@ -57,6 +57,7 @@ class Study:
 
     def check(self) -> None:
         """Refuse a space whose corners cannot run, and a sweep dir that holds another run, before writing."""
+        owned.check_sweep_dir(self.sweep_dir)
         if rundir.is_sweep_dir(self.sweep_dir) and not self.held_study():
             raise ConfigError(f"run_dir={self.sweep_dir}: holds a grid sweep, not a study; choose a new run_dir")
         if self.held_study() and not self.resume:

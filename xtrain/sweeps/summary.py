@@ -43,7 +43,15 @@ def swept_keys(entries: list[dict]) -> list[str]:
 def run_config(path: Path) -> dict:
     """run.yaml as plain data (empty before it is written): a summary reads many, typed loading is slow."""
     file = path / rundir.RUN_CONFIG
-    return yaml.safe_load(file.read_text()) if file.exists() else {}
+    if not file.exists():
+        return {}
+    try:
+        loaded = yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise rundir.unreadable(file, err) from None
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("trainer"), dict):
+        raise rundir.unreadable(file, "not a run config")
+    return loaded
 
 
 def latest_train_row(path: Path) -> tuple:

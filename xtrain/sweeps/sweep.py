@@ -21,7 +21,7 @@ from xtrain.backends.registry import resolve_auto
 from xtrain.config import schema
 from xtrain.config.point import Point
 from xtrain.config.schema import TrainerConfig
-from xtrain.core import rundir
+from xtrain.core import owned, rundir
 from xtrain.core.errors import ConfigError, SweepFailed, explain
 from xtrain.core.rundir import Status
 from xtrain.engine import optim, reporting, resume
@@ -131,6 +131,7 @@ def check_point(point: Point, backend):
 
 def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
     """Validate every point and write its run dir; the points still to run. Nothing starts if one is bad."""
+    owned.check_sweep_dir(sweep_dir)
     todo = []  # (point, what its checks found)
     for point in points:
         if point.cfg.resume not in ("none", "auto"):
@@ -154,6 +155,7 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
 def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
     """Every point's checks and plan as the sweep would run them (and for SLURM the job arrays' scripts); nothing is
     written, asked or started."""
+    owned.check_sweep_dir(sweep_dir)
     for point in points:
         try:
             if point.cfg.resume == "auto":

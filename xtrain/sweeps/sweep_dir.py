@@ -31,6 +31,8 @@ class SweepDir:
             (self.path / "multirun.yaml").write_bytes(self.record)
         elif not self.existed:
             shutil.rmtree(self.path, ignore_errors=True)
+        else:  # (Hydra wrote it into a folder that was there: the folder as it was)
+            (self.path / "multirun.yaml").unlink(missing_ok=True)
         self.path = None
 
 

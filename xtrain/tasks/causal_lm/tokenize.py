@@ -16,6 +16,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from xtrain.data.textfile import Part
+
 CHUNK_CHARS = 1 << 20  # text per task: about half a second of one core's work
 LONG_CHARS = 1 << 20  # a longer document is tokenized in pieces cut after a newline, to bound memory
 
@@ -43,13 +45,13 @@ def pieces(doc: str) -> Iterator[str]:
 
 
 def encode(docs: list[str]) -> np.ndarray:
-    """The documents' token ids, each document followed by the end-of-document token."""
+    """The documents' token ids, each document followed by the end-of-document token (a `Part` goes on in the next)."""
     parts, ends = [], []
     for doc in docs:
         for piece in pieces(doc):
             parts.append(piece)
             ends.append(False)
-        ends[-1] = True
+        ends[-1] = not isinstance(doc, Part)  # (a piece of a text file that goes on in the next)
     ids: list[int] = []
     for encoding, end in zip(_tokenizer.encode_batch_fast(parts, add_special_tokens=False), ends):
         ids.extend(encoding.ids)
