@@ -71,6 +71,14 @@ class Narrow:
         pass
 
 
+class Quiet:
+    """No hook at all."""
+
+
+def make_noted() -> Quiet:
+    return Quiet()
+
+
 class Watch:
     """The error on_exception is given, in <run dir>/exception.txt."""
 
@@ -412,7 +420,8 @@ def test_the_log_says_where_a_run_stands_and_what_it_saved(project, tmp_path):
     (["trainer.scheduler._target_=torch.optim.lr_scheduler.Nope"],
      "trainer.scheduler._target_=torch.optim.lr_scheduler.Nope: module torch.optim.lr_scheduler has no Nope"),
     (["trainer.callbacks=[{_target_: extra.smoothed_ce}]"],
-     "trainer.callbacks[0]._target_=extra.smoothed_ce: calling it failed"),
+     "trainer.callbacks[0]._target_=extra.smoothed_ce: a function, whose result cannot be checked without calling it; "
+     "give a class with hooks (or annotate the function's return type with one)"),
     (["data.collate_fn._target_=extra.nope"], "data.collate_fn._target_=extra.nope: module extra has no nope"),
     (["data.test._target_=extra.nope"], "data.test._target_=extra.nope: module extra has no nope"),
     (["trainer.callbacks=[{_target_: extra.LightningNamed}]"],
@@ -436,21 +445,22 @@ def test_a_bad_piece_of_your_own_loop_is_one_line_and_writes_nothing(project, tm
 
 
 def test_a_dry_run_checks_callbacks_without_building_them(project, tmp_path):
-    """A callback is code that runs: a dry run imports it and checks its keywords and (a class) its hooks, and calls
-    nothing. The same callback in a real run is built, and refused for having no hook."""
+    """A callback is code that runs: a dry run imports it and checks its keywords and its class's hooks, and calls
+    nothing. A function that would have to be called to be checked is refused by the dry run and the run alike, and
+    neither calls it."""
     marker = tmp_path / "ran"
     called = [*WINE, f"run_dir={tmp_path / 'run'}", f"trainer.callbacks=[{{_target_: os.system, command: 'touch {marker}'}}]"]
-    proc = run_xtrain(*called, "dry_run=true", cwd=project)
-    assert "xtrain plan (dry run: nothing was launched)" in proc.stdout and not marker.exists()
-    assert_one_line_error(run_xtrain(*called, check=False, cwd=project), "trainer.callbacks[0]._target_=os.system: has "
-                                                                         "none of the hooks")
-    assert marker.exists()  # (the real run built it: that is what a dry run must not do)
+    refused = "trainer.callbacks[0]._target_=os.system: a function, whose result cannot be checked without calling it"
+    assert_one_line_error(run_xtrain(*called, "dry_run=true", check=False, cwd=project), refused)
+    assert_one_line_error(run_xtrain(*called, check=False, cwd=project), refused)
+    assert not marker.exists() and not (tmp_path / "run").exists()
     for node, expected in (("{_target_: extra.LightningNamed}", "on_validation_epoch_end is not a hook xtrain calls"),
                            ("{_target_: extra.Narrow}", "on_validation_end cannot be called as on_validation_end(state, "
                                                         "metrics)"),
                            ("{_target_: os.system, comand: ls}", "trainer.callbacks[0].comand=ls: os.system takes no "
                                                                  "argument comand; did you mean "
-                                                                 "trainer.callbacks[0].command?")):
+                                                                 "trainer.callbacks[0].command?"),
+                           ("{_target_: extra.make_noted}", "has none of the hooks")):  # (its annotated class's)
         refused = run_xtrain(*WINE, f"run_dir={tmp_path / 'run'}", f"trainer.callbacks=[{node}]", "dry_run=true",
                              check=False, cwd=project)
         assert_one_line_error(refused, expected)

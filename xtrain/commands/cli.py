@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from xtrain.commands import bounds
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
 from xtrain.core import runlock
@@ -187,7 +188,15 @@ def arguments(argv: list[str]) -> list[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import RangeSweep
 
-    for text in parser.parse_args(argv).overrides:
+    parsed = parser.parse_args(argv)
+    try:
+        if parsed.config_dir:
+            bounds.check_config_dir(parsed.config_dir)
+        for text in parsed.overrides:
+            bounds.check_override(text)
+    except ConfigError as err:
+        fail(str(err))
+    for text in parsed.overrides:
         if text.lstrip("+~").startswith("="):
             fail(f"{text}: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4")
         try:

@@ -64,11 +64,32 @@ def build(cfg: RunConfig, main: bool) -> list[tuple[str, object]]:
     importable(cfg.task.code_dir)
     built = []
     for i, node in enumerate(cfg.trainer.callbacks):
+        built_by(f"trainer.callbacks[{i}]", node["_target_"])  # (a function that makes who knows what: not called)
         callback = call(f"trainer.callbacks[{i}]", dict(node))
         check_hooks(f"trainer.callbacks[{i}]._target_={node['_target_']}", callback)
         if main or getattr(callback, "every_rank", False):
             built.append((f"trainer.callbacks[{i}] ({node['_target_']})", callback))
     return built
+
+
+def built_by(key: str, path: str) -> type:
+    """The class `_target_` builds: itself, or a function's annotated return type. A function without one would
+    have to be called to be checked, and is refused (a dry run refuses what the run refuses, and calls nothing)."""
+    import typing
+
+    from xtrain.tasks.targets import resolve
+
+    target = resolve(key, path)
+    if isinstance(target, type):
+        return target
+    try:
+        returns = typing.get_type_hints(target).get("return")
+    except Exception:  # (an annotation that does not resolve, a builtin without any)
+        returns = None
+    if isinstance(returns, type):
+        return returns
+    raise ConfigError(f"{key}._target_={path}: a function, whose result cannot be checked without calling it; give "
+                      "a class with hooks (or annotate the function's return type with one)")
 
 
 def check_hooks(name: str, callback) -> None:
@@ -98,8 +119,8 @@ def check_hooks(name: str, callback) -> None:
 
 def check(cfg: RunConfig, dry_run: bool = False) -> None:
     """On the driver, before anything launches: every callback imports, builds and has hooks it can take. A dry run
-    builds none (a callback is code that runs): a class's hooks and keywords are checked on the class, a function
-    that makes one is imported and its keywords checked, never called."""
+    builds none (a callback is code that runs): its keywords and hooks are checked on its class (a function's
+    annotated return type; a function without one is refused in both, never called)."""
     if not dry_run:
         build(cfg, main=True)
         return
@@ -110,8 +131,7 @@ def check(cfg: RunConfig, dry_run: bool = False) -> None:
         key, path = f"trainer.callbacks[{i}]", node["_target_"]
         target = resolve(key, path)
         check_keywords(key, path, target, {k: v for k, v in node.items() if k != "_target_"})
-        if isinstance(target, type):
-            check_hooks(f"{key}._target_={path}", target)
+        check_hooks(f"{key}._target_={path}", built_by(key, path))
 
 
 class Callbacks:
