@@ -57,7 +57,12 @@ def run_config(run_dir: Path, overrides: list[str]):
         raise ConfigError(f"{run_dir}: {'no such directory' if not run_dir.exists() else 'not a run dir (no run.yaml)'}")
     from omegaconf.errors import OmegaConfBaseException
 
-    config = OmegaConf.load(path)
+    try:
+        config = OmegaConf.load(path)
+    except (yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException) as err:
+        raise rundir.unreadable(path, err) from None
+    if not OmegaConf.is_dict(config):
+        raise rundir.unreadable(path, "not a run config")
     for override in overrides:
         key, _, value = override.partition("=")
         if not key.startswith("+") and OmegaConf.select(config, key, default=KeyError) is KeyError:
