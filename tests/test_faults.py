@@ -184,7 +184,8 @@ def test_no_checkpoint_passing_its_check_is_refused_and_nothing_is_changed(short
     assert_one_line_error(proc, f"resume=auto: no checkpoint passes its check ({STEP_12}: optimizer.bin holds",
                           f"{STEP_6}: random_states_0.pkl is missing)")
     one = xtrain_in_process(f"run_dir={run_dir}", f"resume={run_dir / 'checkpoints' / STEP_12}", check=False)
-    assert_one_line_error(one, f"{STEP_12} fails its check: optimizer.bin holds")
+    line = assert_one_line_error(one, f"resume={run_dir / 'checkpoints' / STEP_12}: fails its check: optimizer.bin holds")
+    assert line.count(STEP_12) == 1  # (named once)
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
 
 

@@ -176,6 +176,31 @@ def main() -> None:
         sys.exit(130)
 
 
+def unreadable_character(text: str, error: str) -> str:
+    """The line for an override Hydra's lexer stops in: the character (its caret's), and how to give it."""
+    import unicodedata
+
+    lines = error.splitlines()
+    prefix = "LexerNoViableAltException: "
+    caret = next((line.index("^") - len(prefix) for line in lines[1:] if line.strip() == "^"), -1)
+    at = caret if 0 <= caret < len(text) else next((i for i, c in enumerate(text) if ord(c) > 127), len(text) - 1)
+    char = text[at]
+    key, _, value = text.partition("=")
+    how = ("write the number with the digits 0-9" if unicodedata.category(char) == "Nd" and ord(char) > 127 else
+           f"quote the value, e.g. {key}='{value}'")
+    return f"{text}: Hydra's override grammar cannot read {char!r} ({unicodedata.name(char, 'U+%04X' % ord(char))}) there; {how}"
+
+
+def flags_first(argv: list[str]) -> str | None:
+    """Where a flag follows an override (argparse then reads the overrides after it as unknown arguments): the hint."""
+    seen_override = False
+    for arg in argv:
+        if arg.startswith("-") and seen_override:
+            return f"flags go before the overrides: move {arg} (and its value) to the front, e.g. python -m xtrain {arg} ..."
+        seen_override = seen_override or ("=" in arg and not arg.startswith("-"))
+    return None
+
+
 def arguments(argv: list[str]) -> list[str]:
     """The command line as Hydra reads it, `-m` first (it may come after the overrides); a flag Hydra does not have
     or an override without a setting's name refused in one line (argparse's usage would be eight, Hydra's a
@@ -184,7 +209,7 @@ def arguments(argv: list[str]) -> list[str]:
 
     argv = [a for a in argv if a in ("-m", "--multirun")] + [a for a in argv if a not in ("-m", "--multirun")]
     parser = get_args_parser()
-    parser.error = lambda message: fail(f"{message}; python -m xtrain --help lists the options")
+    parser.error = lambda message: fail(f"{message}; {flags_first(argv) or 'python -m xtrain --help lists the options'}")
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import RangeSweep
 
@@ -202,6 +227,8 @@ def arguments(argv: list[str]) -> list[str]:
         try:
             [override] = OverridesParser.create().parse_overrides([text])
         except HydraException as err:
+            if "LexerNoViableAltException" in str(err):
+                fail(unreadable_character(text, str(err)))
             _report_refusal(err)
         if isinstance(override.value(), RangeSweep) and not list(override.sweep_iterator()):
             fail(f"{text}: the range holds no value (range(start, stop, step) counts from start up to stop, "

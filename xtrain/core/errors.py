@@ -175,8 +175,9 @@ def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> s
 
 
 def override_of(key: str) -> tuple[str, str | None]:
-    """The command line's override of `key`, or of a setting below it: its name and value."""
-    for arg in sys.argv[1:]:
+    """The command line's override of `key`, or of a setting below it: its name and value (the last one given, which
+    Hydra applies)."""
+    for arg in reversed(sys.argv[1:]):
         name, sep, value = arg.lstrip("+~").partition("=")
         if sep and (name == key or name.startswith(key + ".")):
             return name, value

@@ -333,6 +333,8 @@ def check(data: DataConfig) -> None:
                 next(iter(source._read([path], Counts())), None)
         for path in (p for p in source.files if file_format(p) is TEXT):
             why = not_text(path)
+            if why and why.startswith(UNREADABLE):
+                raise ConfigError(f"data.files: {path} {why.removeprefix('it ')}; fix its permissions or remove it")
             if why:
                 raise ConfigError(f"data.files: {path} is not text ({why}); give UTF-8 text files, or records "
                                   f"({', '.join(FORMATS)}) with data.text_column")
@@ -357,6 +359,7 @@ def check(data: DataConfig) -> None:
 
 
 SNIFF = 8192  # bytes of a text file's head that `not_text` reads
+UNREADABLE = "it cannot be read"
 
 
 def not_text(path: str) -> str | None:
@@ -367,7 +370,7 @@ def not_text(path: str) -> str | None:
         with opener(path, "rb") as f:
             head = f.read(SNIFF)
     except OSError as err:
-        return f"it cannot be read: {first_line(err)}"
+        return f"{UNREADABLE} ({err.strerror or first_line(err)})"
     nul = head.find(b"\0")
     if nul >= 0:
         return f"a NUL byte at offset {nul}"

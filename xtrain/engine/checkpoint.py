@@ -240,7 +240,8 @@ def _resolve(resume: str, run_dir: str | Path, expected: dict, cfg, checked: boo
             path = newest_inside
         why = None if checked else failure(path)
         if why:
-            raise ConfigError(f"resume={resume}: {path} fails its check: {why}; give another checkpoint")
+            named = "" if Path(os.path.expanduser(resume)) == path else f" {path}"  # (the checkpoint inside a run dir)
+            raise ConfigError(f"resume={resume}:{named} fails its check: {why}; give another checkpoint")
     state = read_state(path)
     saved, wanted = state.get("model", {}), expected["model"]
     if saved != wanted:

@@ -71,6 +71,7 @@ def run_eval(accelerator: Accelerator, cfg: RunConfig, c, step: int, evals: Eval
     epoch = sampler.epochs(step, cfg.trainer.grad_accum, c.train_loader)
     accelerator.log({**{f"val/{name}": value for name, value in scalars.items()}, "epoch": epoch}, step=step)
     evals.record(scalars, c.task.directions(), cfg.trainer.monitor)
+    evals.step = step
     arrays = {name: value for name, value in values.items() if name not in scalars}
     if arrays and accelerator.is_main_process:
         evals.files = save_arrays(run_dir, step, arrays)

@@ -19,6 +19,7 @@ class Evals:
     latest: dict[str, float] = field(default_factory=dict)
     best: dict[str, float] = field(default_factory=dict)
     initial_val_loss: float | None = None  # step 0's (a fresh start's)
+    step: int | None = None  # the step of the latest values (eval_step)
     time_s: float | None = None  # this attempt's time in evals (eval_time_s)
     files: dict[str, list[str]] | None = None  # every eval file in the run dir, by metric (eval_files)
 
@@ -91,14 +92,14 @@ class Result:
         own = {
             "status": self.status, "steps": self.steps, **self.started, "initial_val_loss": e.initial_val_loss,
             **e.best, "monitor": self.monitor, "model_step": k.step, "model_eval": k.eval, "model_test": k.test,
-            **e.latest, "eval_files": e.files, "eval_time_s": e.time_s, **self.first_step,
+            **e.latest, "eval_step": e.step, "eval_files": e.files, "eval_time_s": e.time_s, **self.first_step,
             "skipped_steps": self.skipped_steps, "epoch": self.epoch, "train_loss": self.train_loss,
             "first_batch_sums": self.first_batch_sums, "checkpoint_step": self.checkpoint_step,
             "checkpoint_blocked_s": self.checkpoint_blocked_s, "checkpoint_saves": self.checkpoint_saves, **self.tested,
             **self.peaks, **self.speed, **self.goodput, "wall_time_s": self.wall_time_s, "train_time_s": self.train_time_s,
             "callback_stop": self.callback_stop, "early_stop": self.early_stop, "stop": self.stop, "error": self.error,
         }
-        optional = {"initial_val_loss", "monitor", "model_step", "model_eval", "model_test", "eval_files",
+        optional = {"initial_val_loss", "monitor", "model_step", "model_eval", "model_test", "eval_step", "eval_files",
                     "eval_time_s", "skipped_steps", "epoch", "train_loss", "first_batch_sums", "checkpoint_step", "checkpoint_blocked_s", "checkpoint_saves",
                     "wall_time_s", "train_time_s", "callback_stop", "early_stop", "stop", "error"}
         return {**self.recorded, **{key: value for key, value in own.items()

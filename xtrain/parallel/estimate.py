@@ -161,8 +161,11 @@ def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float, own_
         for checkpointing in ([strategy.activation_checkpointing, True] if recomputable else
                               [getattr(strategy, "activation_checkpointing", None)]):
             for tp in _tp_options(cfg, strategy, facts):
-                batch = cfg.trainer.batch_size
-                while batch >= 1:
+                batch, halved = cfg.trainer.batch_size, []
+                while batch % 2 == 0:
+                    halved.append(batch)
+                    batch //= 2
+                for batch in dict.fromkeys([*halved, batch, 1]):  # (halved while it divides, then a micro-batch of 1)
                     accum = cfg.trainer.grad_accum * cfg.trainer.batch_size // batch
                     moved = replace(strategy, activation_checkpointing=checkpointing, tp=tp) if fsdp else strategy
                     candidate = replace(cfg, strategy=moved,
@@ -172,9 +175,6 @@ def smallest_fit(n_params: int, cfg: RunConfig, facts, device_bytes: float, own_
                         changes = _changed(cfg, candidate)
                         found.append((len(changes), -memory.total, " ".join(changes) or f"strategy={strategy.name.value}",
                                       memory))
-                    if batch % 2:
-                        break
-                    batch //= 2
     if not found:
         return None
     _, _, overrides, memory = min(found, key=lambda item: item[:2])

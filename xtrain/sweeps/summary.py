@@ -93,6 +93,8 @@ def run_row(path: Path, objective: str | None = None) -> dict:
                    world_size=result.get("world_size", world))
     row.update({key: value for key, value in result.items()  # a task's own: val_<metric>, examples_per_s
                 if (key.startswith("val_") or key.endswith("_per_s")) and key not in row})
+    if result.get("eval_step") == 0 and (result.get("steps") or 0) > 0:  # only the untrained model's eval: not its own
+        row.update({key: "" for key in row if key.startswith("val_")})
     if objective is not None:
         kept = rundir.kept_value(result, objective)
         row.update(model_step=result.get("model_step", ""), **{f"model_{objective}": "" if kept is None else kept})
