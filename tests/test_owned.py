@@ -178,9 +178,12 @@ def test_a_users_files_in_a_run_dir_survive_every_path(tmp_path, short_run):
     assert read_result(run_dir)["steps"] == 18
     xtrain_in_process(str(run_dir), command="xtrain.export")
     xtrain_in_process(str(run_dir), command="xtrain.eval")
-    failed = xtrain_in_process(f"run_dir={run_dir}", "resume=auto", "trainer.max_steps=24", "resume_changes=apply",
-                               "trainer.lr=-1", *more, check=False)
-    assert failed.returncode == 2
+    refused = xtrain_in_process(f"run_dir={run_dir}", "resume=auto", "trainer.max_steps=24", "resume_changes=apply",
+                                "trainer.lr=-1", *more, check=False)
+    assert refused.returncode == 2
+    diverged = xtrain_in_process(f"run_dir={run_dir}", "resume=auto", "trainer.max_steps=24", "resume_changes=apply",
+                                 "trainer.lr=1e6", "trainer.max_grad_norm=0", *more, check=False)
+    assert diverged.returncode == 1 and read_result(run_dir)["status"] == "failed"
     assert {name: (run_dir / name).read_bytes() for name in planted} == planted
     assert (run_dir / "checkpoints" / "step_00000006").is_dir()  # kept past keep_checkpoints: it holds a user's file
     (run_dir / "model" / "net.py").write_text("mine")
@@ -189,3 +192,26 @@ def test_a_users_files_in_a_run_dir_survive_every_path(tmp_path, short_run):
                              *more, check=False)
     assert_one_line_error(proc, "model/ holds files xtrain did not write (net.py)")
     assert tree(run_dir) == before
+
+
+def test_a_users_files_in_a_sweep_dir_and_its_points_survive_its_resume(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    tiny = ["trainer.max_steps=4", "trainer.warmup_steps=1", "trainer.log_every=2", "trainer.eval_every=2",
+            "trainer.save_every=2", "model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=64",
+            "model.num_heads=2"]
+    run_xtrain("-m", f"run_dir={sweep_dir}", "trainer.seed=0,1", *tiny)
+    planted = {"notes.md": b"sweep notes", "0/notes.md": b"point notes", "1/logs/mine.txt": b"mine"}
+    for name, content in planted.items():
+        (sweep_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (sweep_dir / name).write_bytes(content)
+    longer = [o for o in tiny if not o.startswith("trainer.max_steps")]
+    run_xtrain("-m", f"run_dir={sweep_dir}", "trainer.seed=0,1", "resume=auto", "resume_changes=apply",
+               "trainer.max_steps=6", *longer)
+    assert [read_result(sweep_dir / p)["steps"] for p in ("0", "1")] == [6, 6]
+    assert {name: (sweep_dir / name).read_bytes() for name in planted} == planted
+    (sweep_dir / "0" / "model" / "net.py").write_text("mine")  # in a folder a point replaces: the sweep refused whole
+    before = tree(sweep_dir)
+    proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", "trainer.seed=0,1", "resume=auto", "resume_changes=apply",
+                             "trainer.max_steps=8", *longer, check=False)
+    assert_one_line_error(proc, "point 0 (trainer.seed=0): run_dir=", "model/ holds files xtrain did not write (net.py)")
+    assert tree(sweep_dir) == before

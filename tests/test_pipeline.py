@@ -57,6 +57,14 @@ def pp_fsdp(tmp_path_factory):
     return run(tmp_path_factory.mktemp("pp") / "run", *RUN, *PP)
 
 
+def test_two_stages_of_two_ddp_replicas_follow_the_4_process_ddp_curve(ddp4, tmp_path):
+    """Each stage replicated by DDP on 2 of the 4 processes: the replicas' gradients averaged once a step, after
+    every micro-batch's backward, as DDP averages them."""
+    pp_ddp = run(tmp_path / "run", *RUN, "strategy=ddp", "strategy.pp=2", "trainer.grad_accum=2")
+    assert (read_result(pp_ddp)["world_size"], read_result(pp_ddp)["data_parallel_size"]) == (4, 2)
+    assert_follows(pp_ddp, ddp4)
+
+
 def test_two_stages_of_two_shards_follow_the_4_process_ddp_curve(ddp4, pp_fsdp):
     result = read_result(pp_fsdp)
     assert result["status"] == "completed" and result["mesh"] == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
@@ -258,9 +266,6 @@ def test_the_plan_shows_the_stages_and_a_stages_memory(tmp_path):
     (["strategy=zero3", "strategy.pp=2"], ["strategy.pp=2: pipeline stages compose with strategy=ddp or strategy=fsdp",
                                            "strategy=fsdp strategy.pp=2"]),
     (["strategy.pp=3", "cluster.num_processes=4"], ["strategy.pp=3: does not divide the 4 processes"]),
-    (["strategy=ddp", "strategy.pp=2", "cluster.num_processes=4", "trainer.grad_accum=2"],
-     ["strategy.pp=2 on 4 processes (1 node(s) x cluster.num_processes=4) makes 2 DDP replicas of each stage",
-      "use strategy=fsdp strategy.pp=2 (each stage sharded over its 2 ranks), or cluster.num_processes=2"]),
     (["strategy.pp=2", "cluster.num_processes=2"],
      ["strategy.pp=2 with 1 micro-batch(es) a step", "so 50% of each step is idle (the bubble)", "trainer.grad_accum=2"]),
     (["strategy.pp=2", "cluster.num_processes=2", "trainer.grad_accum=2", "model.num_layers=3"],

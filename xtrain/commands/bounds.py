@@ -77,6 +77,9 @@ def check_config_dir(folder: str) -> None:
                 nodes = list(yaml.compose_all(f, Loader=yaml.SafeLoader))
         except (yaml.YAMLError, OSError, UnicodeDecodeError):
             continue  # (Hydra reports what it cannot read, naming the file)
+        except RecursionError:
+            raise ConfigError(f"--config-dir {folder}: {file} is nested deeper than a config is read; "
+                              "write it flatter, or remove it") from None
         for node in nodes:
             if node is not None and expanded_size(node) > NODE_LIMIT:
                 raise ConfigError(f"--config-dir {folder}: {file} expands to more than {NODE_LIMIT:,} nodes (aliases "

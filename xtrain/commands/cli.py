@@ -191,8 +191,11 @@ def unreadable_character(text: str, error: str) -> str:
     return f"{text}: Hydra's override grammar cannot read {char!r} ({unicodedata.name(char, 'U+%04X' % ord(char))}) there; {how}"
 
 
-def flags_first(argv: list[str]) -> str | None:
+def flags_first(argv: list[str], message: str) -> str | None:
     """Where a flag follows an override (argparse then reads the overrides after it as unknown arguments): the hint."""
+    unknown = message.partition("unrecognized arguments: ")[2].split()
+    if not unknown or any(arg.startswith("-") for arg in unknown):
+        return None
     seen_override = False
     for arg in argv:
         if arg.startswith("-") and seen_override:
@@ -209,7 +212,7 @@ def arguments(argv: list[str]) -> list[str]:
 
     argv = [a for a in argv if a in ("-m", "--multirun")] + [a for a in argv if a not in ("-m", "--multirun")]
     parser = get_args_parser()
-    parser.error = lambda message: fail(f"{message}; {flags_first(argv) or 'python -m xtrain --help lists the options'}")
+    parser.error = lambda message: fail(f"{message}; {flags_first(argv, message) or 'python -m xtrain --help lists the options'}")
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import RangeSweep
 

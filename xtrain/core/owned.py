@@ -81,18 +81,23 @@ def system_refusal(path: Path, setting: str) -> str | None:
             f"choose one, e.g. {setting}=runs/<name>")
 
 
+def _folder(path: Path, setting: str) -> tuple[str | None, list[str]]:
+    """A refusal of `path` whatever it holds (a system folder, a file), or what it holds (nothing: not there)."""
+    why = system_refusal(path, setting)
+    if why or not os.path.lexists(path):
+        return why, []
+    if not path.is_dir():
+        return f"{setting}={path}: is a file, not a folder; choose a new {setting}", []
+    return None, _entries(path)
+
+
 def run_dir_refusal(path: str | Path, setting: str = "run_dir") -> str | None:
     """Why a run may not write into `path`: a system or home directory, a file, or a folder that holds files and no
     run. None where it may (not there yet, empty, or a run dir)."""
     path = Path(path)
-    why = system_refusal(path, setting)
-    if why or not os.path.lexists(path):
+    why, entries = _folder(path, setting)
+    if why or not entries or is_run_dir(path):
         return why
-    if not path.is_dir():
-        return f"{setting}={path}: is a file, not a folder; choose a new {setting}"
-    entries = _entries(path)
-    if not entries or is_run_dir(path):
-        return None
     if (path / "sweep.json").is_file():
         return f"{setting}={path}: holds a sweep, not a run; choose a new {setting} (or run the sweep with -m)"
     return (f"{setting}={path}: holds files that are not an xtrain run's ({_shown(entries)}); xtrain writes only "
@@ -103,14 +108,10 @@ def sweep_dir_refusal(path: str | Path, setting: str = "run_dir") -> str | None:
     """Why a sweep or a study may not write into `path`: as for a run dir, where a sweep dir holds `sweep.json`
     (and Hydra's `multirun.yaml`, which Hydra writes there before xtrain is asked)."""
     path = Path(path)
-    why = system_refusal(path, setting)
-    if why or not os.path.lexists(path):
+    why, entries = _folder(path, setting)
+    entries = [e for e in entries if e != "multirun.yaml"]
+    if why or not entries or (path / "sweep.json").is_file():
         return why
-    if not path.is_dir():
-        return f"{setting}={path}: is a file, not a folder; choose a new {setting}"
-    entries = [e for e in _entries(path) if e != "multirun.yaml"]
-    if not entries or (path / "sweep.json").is_file():
-        return None
     if is_run_dir(path):
         return f"{setting}={path}: holds a run, not a sweep; choose a new {setting}"
     return (f"{setting}={path}: holds files that are not an xtrain sweep's ({_shown(entries)}); xtrain writes only "

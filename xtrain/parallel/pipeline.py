@@ -49,11 +49,6 @@ def check(cfg: RunConfig, facts: ModelFacts) -> None:
         raise ConfigError(f"strategy.pp={s.pp} on {processes} leaves dp_shard={mesh.dp_shard}: FSDP2 needs at least 2 "
                           f"ranks to shard each stage over; use strategy=ddp strategy.pp={s.pp} (each stage "
                           f"replicated) or cluster.num_processes={2 * others // c.nodes or 1}")
-    if s.name.value == "ddp" and mesh.data_parallel > 1:
-        raise ConfigError(f"strategy.pp={s.pp} on {processes} makes {mesh.data_parallel} DDP replicas of each stage, "
-                          "which a pipeline does not train (DDP's reducer cannot follow its micro-batches); use "
-                          f"strategy=fsdp strategy.pp={s.pp} (each stage sharded over its {mesh.data_parallel} ranks), "
-                          f"or cluster.num_processes={s.pp // c.nodes or 1} (a process a stage)")
     if s.tp > 1:
         check_mesh(cfg, facts)  # (the tensor-parallel plan, the heads, tp within a node)
     if facts.model_class not in DECODERS:

@@ -163,8 +163,8 @@ class Pipe:
         return model.lm_head.weight is embedding
 
     def _distribute(self, module):
-        """The stage replicated over its data-parallel ranks (DDP), or sharded over them (FSDP2: each layer, then
-        the stage)."""
+        """The stage replicated over its data-parallel ranks (DDP: the same weights on each), or sharded over them
+        (FSDP2: each layer, then the stage)."""
         if self.cfg.strategy.name.value == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -172,12 +172,13 @@ class Pipe:
             for layer in module.layers:
                 fully_shard(layer, mesh=mesh, reshard_after_forward=self.cfg.strategy.reshard_after_forward)
             return fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.strategy.reshard_after_forward)
-        if self.dp == 1:
-            return module
-        from torch.nn.parallel import DistributedDataParallel
+        if self.dp > 1:  # (replicas start equal; their gradients are averaged once a step: _average_replicas)
+            import torch.distributed as dist
 
-        return DistributedDataParallel(module, process_group=self.mesh["dp_replicate"].get_group(),
-                                       gradient_as_bucket_view=True)
+            group = self.mesh["dp_replicate"].get_group()
+            for p in module.parameters():
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+        return module
 
     # -- preparing ---------------------------------------------------------------------------------------------
     def prepare(self, accelerator, model, optimizer, train_loader, val_loader, scheduler):
@@ -238,6 +239,7 @@ class Pipe:
                 self.schedule.step(target=ids if last else None, losses=losses)
         loss_sum = torch.stack(losses).sum() * len(micro) if last else torch.zeros((), device=self.device)
         dist.broadcast(loss_sum, self.first_rank(self.pp - 1), group=self.pp_group)
+        self._average_replicas()
         self._tie_gradients()
         if max_grad_norm > 0:
             self._clip(max_grad_norm)
@@ -247,6 +249,21 @@ class Pipe:
         # (the ranks of a pipeline, and of a tp group, share their batches: the loop multiplies by the world)
         count = sum(c.task.count(b) for b in micro) * self.dp / (self.pp * self.dp * self.tp)
         return loss_sum, count
+
+    def _average_replicas(self) -> None:
+        """DDP's replicas of a stage: their gradients averaged, once a step, after every micro-batch's backward (DDP's
+        own reducer cannot follow a schedule's interleaved micro-batches); FSDP2 reduces its own."""
+        if self.cfg.strategy.name.value == "fsdp" or self.dp == 1:
+            return
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.part.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.mesh["dp_replicate"].get_group())
+        flat /= self.dp
+        for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(averaged)
 
     def _tie_gradients(self) -> None:
         if self.tie_group is None:

@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from xtrain.config.schema import DataConfig, ModelConfig, ModelSource
-from xtrain.core import machine
+from xtrain.core import machine, memory
 from xtrain.core.errors import ConfigError
 from xtrain.data.cache import VAL_SPLIT_SEED, build_once, node_name
 from xtrain.data.sources import Counts, cache_dir, open_source, sha
@@ -84,6 +84,7 @@ def trained_tokenizer(source, model: ModelConfig, data: DataConfig) -> Path:
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
         )
         tok.train_from_iterator(source.sample(TOKENIZER_SAMPLE_CHARS), trainer)
+        memory.give_back_freed()
         PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS).save_pretrained(path)
 
     final = Path(cache_dir(data), "tokenizers", sha(source.fingerprint, str(model.vocab_size), VERSION))
