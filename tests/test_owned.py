@@ -163,6 +163,16 @@ def test_a_fresh_run_or_sweep_into_a_users_folder_changes_nothing(tmp_path):
             ["model", "metrics.jsonl", "checkpoints", "run.yaml", "logs"]), command
 
 
+def test_a_dry_run_or_a_refusal_keeps_an_empty_folder_that_was_there(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    xtrain_in_process(f"run_dir={mine}", "dry_run=true")
+    assert_one_line_error(xtrain_in_process(f"run_dir={mine}", "trainer.lr=-1", check=False), "trainer.lr=-1")
+    assert mine.is_dir() and not any(mine.iterdir())
+    xtrain_in_process(f"run_dir={tmp_path / 'new'}", "dry_run=true")
+    assert not (tmp_path / "new").exists()  # (the folder Hydra made for it)
+
+
 def test_a_users_files_in_a_run_dir_survive_every_path(tmp_path, short_run):
     """Files of the user's in every place a run writes: the resumed run, its export and eval, a failed resume and a
     sweep beside them leave each one as it was; in model/ they stop the run before it writes anything."""

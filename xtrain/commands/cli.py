@@ -118,7 +118,13 @@ def hydra_main(cfg: DictConfig):
         _remove_if_empty(Path(output_dir))
 
 
+_FOLDERS_BEFORE: set[str] = set()  # the run_dir folders given that were there before this command: never removed
+
+
 def _remove_if_empty(path: Path) -> None:
+    """The empty run dir Hydra made for this command (a folder that was there before is the user's: it stays)."""
+    if os.path.realpath(path) in _FOLDERS_BEFORE:
+        return
     if path.is_dir() and not any(path.iterdir()):
         with contextlib.suppress(OSError):  # (a read-only one: refused already)
             path.rmdir()
@@ -148,9 +154,12 @@ def main() -> None:
         return
     keep_private()
     sys.argv[1:] = arguments(sys.argv[1:])
+    _FOLDERS_BEFORE.clear()
     for arg in sys.argv[1:]:
         if arg.startswith("run_dir=") and Path(arg.partition("=")[2]).expanduser().is_file():
             fail(f"{arg}: a file, not a directory; give a directory for the run (new, or one to resume=auto)")
+        if arg.startswith("run_dir=") and os.path.isdir(os.path.expanduser(arg.partition("=")[2])):
+            _FOLDERS_BEFORE.add(os.path.realpath(os.path.expanduser(arg.partition("=")[2])))
         if arg.startswith("run_dir=") and "$" not in arg:  # (before Hydra makes it)
             try:
                 runlock.check_writable(Path(arg.partition("=")[2]).expanduser().absolute())
