@@ -210,16 +210,16 @@ def test_a_users_files_in_a_sweep_dir_and_its_points_survive_its_resume(tmp_path
             "trainer.save_every=2", "model.num_layers=1", "model.hidden_size=32", "model.intermediate_size=64",
             "model.num_heads=2"]
     run_xtrain("-m", f"run_dir={sweep_dir}", "trainer.seed=0,1", *tiny)
-    planted = {"notes.md": b"sweep notes", "0/notes.md": b"point notes", "1/logs/mine.txt": b"mine"}
+    planted = {"notes.md": b"sweep notes", "0_seed=0/notes.md": b"point notes", "1_seed=1/logs/mine.txt": b"mine"}
     for name, content in planted.items():
         (sweep_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (sweep_dir / name).write_bytes(content)
     longer = [o for o in tiny if not o.startswith("trainer.max_steps")]
     run_xtrain("-m", f"run_dir={sweep_dir}", "trainer.seed=0,1", "resume=auto", "resume_changes=apply",
                "trainer.max_steps=6", *longer)
-    assert [read_result(sweep_dir / p)["steps"] for p in ("0", "1")] == [6, 6]
+    assert [read_result(sweep_dir / p)["steps"] for p in ("0_seed=0", "1_seed=1")] == [6, 6]
     assert {name: (sweep_dir / name).read_bytes() for name in planted} == planted
-    (sweep_dir / "0" / "model" / "net.py").write_text("mine")  # in a folder a point replaces: the sweep refused whole
+    (sweep_dir / "0_seed=0" / "model" / "net.py").write_text("mine")  # in a folder a point replaces: the sweep refused whole
     before = tree(sweep_dir)
     proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", "trainer.seed=0,1", "resume=auto", "resume_changes=apply",
                              "trainer.max_steps=8", *longer, check=False)
