@@ -55,17 +55,19 @@ def _is_lock_record(path: Path) -> bool:
 
 
 def is_run_dir(path: Path) -> bool:
-    """`path` holds a run xtrain wrote: its run.yaml is a run config."""
+    """`path` holds a run xtrain wrote: its run.yaml is a run config (its top-level keys read from the YAML's nodes,
+    never built: a file of someone else's is not expanded)."""
+    import yaml
+
     file = Path(path) / "run.yaml"
     try:
         if not file.is_file() or file.stat().st_size > 4 << 20:
             return False
-        import yaml
-
-        loaded = yaml.safe_load(file.read_text())
-    except (OSError, ValueError, UnicodeDecodeError, Exception):  # (yaml's errors: not a run config)
+        node = yaml.compose(file.read_text(), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return False
-    return isinstance(loaded, dict) and _RUN_KEYS <= loaded.keys()
+    keys = {k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode)} if isinstance(node, yaml.MappingNode) else set()
+    return _RUN_KEYS <= keys
 
 
 def system_refusal(path: Path, setting: str) -> str | None:
