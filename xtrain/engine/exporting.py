@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 
 from xtrain.core import memory, owned, rundir
@@ -28,8 +27,10 @@ def write_model(run_dir: Path, task, model, state_dict: dict, step: int) -> None
             raise WriteFailed(f"step {step}'s {name}/ was not written: {run_dir / name} holds files xtrain did not "
                               f"write ({', '.join(foreign[:4])}); move them out of it, then run the same command with "
                               f"run_dir={run_dir} resume=auto")
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{rundir.MODEL}-", dir=run_dir))
+    tmp = run_dir / f".tmp-{rundir.MODEL}"  # (a kill's leftover, xtrain's own: the next export starts it again)
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         task.export(model, fp8.unwrapped(state_dict), tmp)
         for made in sorted(tmp.iterdir()):
             owned.write_manifest(made)
