@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def test_two_nodes_on_one_machine_whichever_starts_first(tmp_path, started, one_
         time.sleep(3)
         node0 = started(*common, "cluster.node_rank=0")
     else:
-        (run_dir / "launch.json").parent.mkdir(parents=True)
+        run_dir.mkdir()  # an earlier launch that stopped before its first step: its run.yaml and token
+        shutil.copy(one_process_batch_16 / "run.yaml", run_dir / "run.yaml")
         (run_dir / "launch.json").write_text('{"token": "an earlier launch"}')
         node0 = started(*common, "cluster.node_rank=0")
         deadline = time.time() + 120

@@ -38,6 +38,16 @@ def test_a_folder_a_run_may_write_into_is_missing_empty_or_a_run_dir(tmp_path):
     assert owned.run_dir_refusal(tmp_path) is None  # a run dir: its run.yaml is a run config
 
 
+def test_a_folder_holding_only_xtrains_checkpoints_copied_in_is_a_run_dir_to_resume(tmp_path):
+    copied = tmp_path / "copied"
+    (copied / "checkpoints" / "step_00000004").mkdir(parents=True)
+    assert owned.run_dir_refusal(copied) is None
+    (copied / "checkpoints" / "notes.txt").write_text("mine")
+    assert "(checkpoints/)" in owned.run_dir_refusal(copied)
+    (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
+    assert "(checkpoints/)" in owned.run_dir_refusal(tmp_path / "empty")
+
+
 def test_a_folder_of_the_users_is_refused_naming_what_it_holds(tmp_path):
     project = a_project(tmp_path / "project")
     why = owned.run_dir_refusal(project)
@@ -129,7 +139,8 @@ def test_pruning_and_cleaning_up_remove_only_what_xtrain_wrote(tmp_path):
     (root / "step_00000008").mkdir()  # not a checkpoint xtrain wrote (it has no state file)
     (root / "step_00000008" / "x").write_text("mine")
     checkpoint.remove_partial(tmp_path)
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000008"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000008.corrupt"]  # set aside
+    assert (root / "step_00000008.corrupt" / "x").read_text() == "mine"
 
 
 def test_an_export_over_a_model_folder_holding_a_users_file_writes_nothing(tmp_path):

@@ -51,7 +51,8 @@ def test_resume_auto_without_checkpoint_starts_fresh(tmp_path):
 
 
 def test_interrupted_saves_are_ignored_and_cleaned(tmp_path):
-    """A save killed midway leaves a .tmp- dir or a step dir without xtrain_state.json: never resumed from."""
+    """A save killed midway leaves a .tmp- dir (removed); a step dir without xtrain_state.json is not xtrain's:
+    never resumed from, set aside with what it holds."""
     run_dir = tmp_path / "run"
     common = ["trainer.max_steps=6", "trainer.save_every=3", "trainer.log_every=3", "trainer.eval_every=3"]
     run_xtrain(f"run_dir={run_dir}", *common)
@@ -66,7 +67,8 @@ def test_interrupted_saves_are_ignored_and_cleaned(tmp_path):
     run_xtrain(f"run_dir={run_dir}", "resume=auto", "trainer.max_steps=9", *common[1:], "resume_changes=apply")
     result = read_result(run_dir)
     assert result["resumed_from"].endswith("step_00000006") and result["steps"] == 9
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000009"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000009", "step_00000012.corrupt"]
+    assert (ckpts / "step_00000012.corrupt" / "model.safetensors").read_bytes() == b"truncated"
 
 
 def test_resume_of_a_finished_run_says_what_to_raise(short_run):

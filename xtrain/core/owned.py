@@ -1,8 +1,9 @@
 """xtrain writes only into what is empty or its own, and removes or replaces only what it wrote.
 
-- A run dir is xtrain's when its `run.yaml` is a run config (xtrain writes it before anything else); a sweep dir
-  when it holds `sweep.json`. A run, a sweep or a study goes into a folder that is not there, is empty, or is
-  xtrain's; any other folder is refused before anything is written, naming what it holds.
+- A run dir is xtrain's when its `run.yaml` is a run config (xtrain writes it before anything else), or when it
+  holds nothing but xtrain's checkpoints (copied in to resume from); a sweep dir when it holds `sweep.json`. A run,
+  a sweep or a study goes into a folder that is not there, is empty, or is xtrain's; any other folder is refused
+  before anything is written, naming what it holds.
 - `/`, a home directory and the system's own folders are never a run dir, however they are reached (a symlink).
 - A folder xtrain replaces (`model/`, a LoRA run's `adapter/`) lists its files in `MANIFEST` (names, sizes,
   sha256), written last at export: a folder holding a file the manifest does not list is not replaced.
@@ -98,12 +99,18 @@ def run_dir_refusal(path: str | Path, setting: str = "run_dir") -> str | None:
     run. None where it may (not there yet, empty, or a run dir)."""
     path = Path(path)
     why, entries = _folder(path, setting)
-    if why or not entries or is_run_dir(path):
+    if why or not entries or is_run_dir(path) or _checkpoints_only(path, entries):
         return why
     if (path / "sweep.json").is_file():
         return f"{setting}={path}: holds a sweep, not a run; choose a new {setting} (or run the sweep with -m)"
     return (f"{setting}={path}: holds files that are not an xtrain run's ({_shown(entries)}); xtrain writes only "
             f"into an empty folder or a run dir: choose a new {setting}")
+
+
+def _checkpoints_only(path: Path, entries: list[str]) -> bool:
+    """A folder that holds xtrain's checkpoints and nothing else (copied in to resume from: `resume=auto`)."""
+    root = path / "checkpoints"
+    return entries == ["checkpoints/"] and any(os.scandir(root)) and not checkpoints_foreign(root)
 
 
 def sweep_dir_refusal(path: str | Path, setting: str = "run_dir") -> str | None:

@@ -286,12 +286,15 @@ def keep_effective_batch(cfg):
 
 
 def remove_partial(run_dir: str | Path) -> None:
-    """Remove leftovers of saves that were interrupted (`.tmp-step_N`: never complete checkpoints)."""
+    """Remove leftovers of saves that were interrupted (`.tmp-step_N`: never complete checkpoints). A `step_N` with
+    no state file was not written by this xtrain: it is set aside (`step_N.corrupt`), never resumed from or replaced."""
     root = checkpoints_dir(run_dir)
     if root.is_dir():
-        for p in root.iterdir():
+        for p in sorted(root.iterdir()):
             if p.name.startswith(".tmp-") and p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
+            elif CHECKPOINT_NAME.match(p.name) and not (p / CHECKPOINT_STATE).is_file():
+                log.warning("checkpoints: %s has no %s: set aside as %s", p.name, CHECKPOINT_STATE, set_aside(p).name)
 
 
 def prune(path: Path) -> None:
