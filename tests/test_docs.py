@@ -7,10 +7,33 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from conftest import REPO, assert_one_line_error, xtrain_in_process
 
 from xtrain.commands import help
 from xtrain.config import schema
+
+
+def test_the_reference_pages_in_the_repository_are_current():
+    """docs/reference/*.md hold their generated parts (every setting, the help text, other tools' names), as the
+    site shows them: a new setting, option or description is written in with `python docs/hooks.py`."""
+    for page in ("config.md", "cli.md"):
+        path = REPO / "docs" / "reference" / page
+        assert help.refreshed(path.read_text()) == path.read_text(), f"{page} is out of date: run python docs/hooks.py"
+    written = (REPO / "docs" / "reference" / "config.md").read_text()
+    assert all(f"`{name}`" in written for name in schema.setting_names())
+    assert "`trainer.gradient_clip_val`" in written and "betas (0.9, 0.95)" in written
+
+
+def test_help_for_a_group_lists_its_settings_with_defaults_and_meanings():
+    text = help.group_text("trainer")
+    assert "trainer.max_grad_norm = 1.0   (float)" in text and "trainer.min_lr_ratio = 0.1   (float)" in text
+    assert "betas (0.9, 0.95)" in text and "Cosine decay ends at lr * min_lr_ratio." in text
+    strategy = help.group_text("strategy")
+    assert "Settings of strategy=fsdp alone" in strategy and "strategy.sharding = " in strategy
+    proc = xtrain_in_process("--help", "trainer")
+    assert proc.stdout.strip() == text
+    assert_one_line_error(xtrain_in_process("--help", "trainr", check=False),
+                          "--help trainr: no such config group; choose one of task, model, data")
 
 
 def test_the_docs_site_builds_strictly_and_its_reference_lists_every_setting(tmp_path):

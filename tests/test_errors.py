@@ -121,7 +121,9 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, e
     (["+trainer.foo=1"], "trainer.foo=1: no such setting; python -m xtrain --cfg job lists every setting"),
     # the closest real setting: the group first, then an alias, a longer name, or the nearest spelling
     (["trainr.batch_size=8"], "trainr.batch_size=8: no such setting; did you mean trainer.batch_size?"),
-    (["trainer.learning_rate=1e-3"], "trainer.learning_rate=1e-3: no such setting; did you mean trainer.lr?"),
+    (["trainer.iterations=100"], "trainer.iterations=100: no such setting; did you mean trainer.max_steps?"),
+    (["trainer.learning_rate=1e-3"], "trainer.learning_rate=1e-3: the HF Trainer's name for xtrain's trainer.lr; give "
+                                     "trainer.lr=1e-3"),
     (["model.name=gpt2"], "model.name=gpt2: no such setting; did you mean model.name_or_path?"),
     (["trainer.warmup=10"], "trainer.warmup=10: no such setting; did you mean trainer.warmup_steps?"),
     # what the command line cannot mean: a setting without a value or a value without a setting, a flag Hydra lacks

@@ -71,6 +71,13 @@ class Narrow:
         pass
 
 
+class LightningArguments:
+    """A Lightning callback's hook: its arguments are Lightning's trainer and module."""
+
+    def on_validation_end(self, trainer, pl_module):
+        pass
+
+
 class Quiet:
     """No hook at all."""
 
@@ -460,6 +467,9 @@ def test_a_dry_run_checks_callbacks_without_building_them(project, tmp_path):
                            ("{_target_: os.system, comand: ls}", "trainer.callbacks[0].comand=ls: os.system takes no "
                                                                  "argument comand; did you mean "
                                                                  "trainer.callbacks[0].command?"),
+                           ("{_target_: extra.LightningArguments}", "on_validation_end(trainer, pl_module) takes "
+                                                                    "Lightning's arguments; xtrain calls "
+                                                                    "on_validation_end(state, metrics) (state: run_dir, "),
                            ("{_target_: extra.make_noted}", "has none of the hooks")):  # (its annotated class's)
         refused = run_xtrain(*WINE, f"run_dir={tmp_path / 'run'}", f"trainer.callbacks=[{node}]", "dry_run=true",
                              check=False, cwd=project)

@@ -180,8 +180,10 @@ def test_a_dry_run_or_a_refusal_keeps_an_empty_folder_that_was_there(tmp_path):
     xtrain_in_process(f"run_dir={mine}", "dry_run=true")
     assert_one_line_error(xtrain_in_process(f"run_dir={mine}", "trainer.lr=-1", check=False), "trainer.lr=-1")
     assert mine.is_dir() and not any(mine.iterdir())
-    xtrain_in_process(f"run_dir={tmp_path / 'new'}", "dry_run=true")
-    assert not (tmp_path / "new").exists()  # (the folder Hydra made for it)
+    xtrain_in_process(f"run_dir={tmp_path / 'new' / 'run'}", "dry_run=true")
+    assert not (tmp_path / "new").exists()  # (the folders Hydra made for it)
+    xtrain_in_process("dry_run=true", cwd=mine)  # the default run_dir, runs/<date>_<time>
+    assert not any(mine.iterdir())
 
 
 def test_a_users_files_in_a_run_dir_survive_every_path(tmp_path, short_run):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
@@ -127,7 +128,10 @@ def test_each_option_has_a_schema_of_its_own():
 
     assert type(data_config(DataSource.text, files=["a.txt"])) is TextData and type(schema.RunConfig().data) is PydocData
     assert (index["data.files"], index["data.packing"], index["data.split"], index["data.block_size"]) == \
-        ("data=text|sft|images", "data=sft", "data=hf|sft", "")
+        ("data=text|sft|images", "data=sft", "data=hf|sft", "data=pydoc|text|hf|sft|images")  # (not data=custom)
+    conf = Path(schema.__file__).parents[1] / "conf" / "model"
+    by_schema = sorted(p.stem for p in conf.glob("*.yaml") if "_target_" not in p.read_text())
+    assert index["model.num_layers"] == f"model={'|'.join(by_schema)}"  # (not model=custom, resnet or vit)
     assert schema.option_schema("data", {"source": "hf", "name": "x"}) is HfData
     with pytest.raises(ConfigError, match="data.source=hf: set by the data option; use data=hf"):
         schema.option_schema("data", {**{f.name: None for f in dataclasses.fields(TextData)}, "source": "hf"})

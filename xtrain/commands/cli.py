@@ -118,16 +118,28 @@ def hydra_main(cfg: DictConfig):
         _remove_if_empty(Path(output_dir))
 
 
-_FOLDERS_BEFORE: set[str] = set()  # the run_dir folders given that were there before this command: never removed
+_FOLDERS_BEFORE: set[str] = set()  # the run dir's folder and those above it that were there before this command
+
+
+def _note_folders_before(run_dirs: list[str]) -> None:
+    _FOLDERS_BEFORE.clear()
+    for given in run_dirs:
+        path = Path(os.path.expanduser(given)).absolute()
+        for folder in (path, *path.parents):
+            if os.path.isdir(folder):
+                _FOLDERS_BEFORE.add(os.path.realpath(folder))
 
 
 def _remove_if_empty(path: Path) -> None:
-    """The empty run dir Hydra made for this command (a folder that was there before is the user's: it stays)."""
-    if os.path.realpath(path) in _FOLDERS_BEFORE:
-        return
-    if path.is_dir() and not any(path.iterdir()):
-        with contextlib.suppress(OSError):  # (a read-only one: refused already)
+    """The empty run dir Hydra made for this command, and the empty folders it made above it (`runs/`): a folder
+    that was there before is the user's, and stays."""
+    path = Path(path).absolute()
+    while os.path.realpath(path) not in _FOLDERS_BEFORE and path.is_dir() and not any(path.iterdir()):
+        try:
             path.rmdir()
+        except OSError:  # (a read-only one: refused already)
+            return
+        path = path.parent
 
 
 def make_launchers_visible() -> None:
@@ -150,16 +162,21 @@ def main() -> None:
     if asked & {"--help", "-h"}:
         from xtrain.commands import help
 
+        after = sys.argv[sys.argv.index("--help" if "--help" in asked else "-h") + 1:][:1]
+        if after and not after[0].startswith("-") and "=" not in after[0]:
+            if after[0] not in help.GROUPS:
+                fail(f"--help {after[0]}: no such config group; choose one of {', '.join(help.GROUPS)}")
+            print(help.group_text(after[0]))
+            return
         print(help.text())
         return
     keep_private()
     sys.argv[1:] = arguments(sys.argv[1:])
-    _FOLDERS_BEFORE.clear()
+    run_dirs = [arg.partition("=")[2] for arg in sys.argv[1:] if arg.startswith("run_dir=")]
+    _note_folders_before(run_dirs or ["runs/"])  # (the default: runs/<date>_<time>)
     for arg in sys.argv[1:]:
         if arg.startswith("run_dir=") and Path(arg.partition("=")[2]).expanduser().is_file():
             fail(f"{arg}: a file, not a directory; give a directory for the run (new, or one to resume=auto)")
-        if arg.startswith("run_dir=") and os.path.isdir(os.path.expanduser(arg.partition("=")[2])):
-            _FOLDERS_BEFORE.add(os.path.realpath(os.path.expanduser(arg.partition("=")[2])))
         if arg.startswith("run_dir=") and "$" not in arg:  # (before Hydra makes it)
             try:
                 runlock.check_writable(Path(arg.partition("=")[2]).expanduser().absolute())

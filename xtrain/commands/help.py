@@ -80,7 +80,8 @@ def text() -> str:
         lines += [f"      {name:<{width}}  {about}" for name, about in found.items()]
     lines += ["", "Settings of every run (SETTING=VALUE):"]
     lines += [f"  {name:<10} {root[name]}" for name in ("run_dir", "resume", "resume_changes", "dry_run") if name in root]
-    lines += ["  python -m xtrain --cfg job prints every setting with its value; the docs' reference describes each.", "",
+    lines += ["  python -m xtrain --help GROUP lists a group's settings with their defaults and meanings (--help trainer);",
+              "  python -m xtrain --cfg job prints every setting with its value.", "",
               "Companion commands:"]
     lines += [f"  {command:<38} {about}" for command, about in COMMANDS.items()]
     lines += ["", "Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m (--multirun)."]
@@ -124,7 +125,41 @@ def reference() -> str:
     return "\n".join(out) + "\n"
 
 
+def habits_table() -> str:
+    """Other tools' names for xtrain's settings (config/habits.py), as the reference shows them."""
+    from xtrain.config import habits
+
+    rows = [f"| {name} | {tool} | {_cell(means)} |" for name, tool, means in habits.rows()]
+    return "\n".join(["## Names from other tools", "",
+                      "Lightning's Trainer, lightning-hydra-template and the HF Trainer call some of these settings "
+                      "by other names. xtrain refuses those names in one line that gives its own override:", "",
+                      "| their name | whose | xtrain's |", "| --- | --- | --- |", *rows]) + "\n"
+
+
+GENERATED = {  # a page's generated parts, between its markers: the text that replaces each
+    "config-reference": lambda: reference() + "\n" + habits_table(),
+    "help": lambda: "```\n" + text() + "\n```",
+}
+
+
+def refreshed(markdown: str) -> str:
+    """A docs page with its generated parts written anew (between `<!-- xtrain:NAME -->` and
+    `<!-- /xtrain:NAME -->`): the pages in the repository read as the site does, and a test keeps them current."""
+    for name, make in GENERATED.items():
+        start, end = f"<!-- xtrain:{name} -->", f"<!-- /xtrain:{name} -->"
+        if start in markdown and end in markdown:
+            head, rest = markdown.split(start, 1)
+            markdown = f"{head}{start}\n{make()}\n{end}{rest.split(end, 1)[1]}"
+    return markdown
+
+
 def _settings(schema, prefix: str, skip: set[str] = frozenset()) -> list[str]:
+    return [f"| `{name}` | `{kind}` | `{default}` | {_cell(about)} |"
+            for name, kind, default, about in _described(schema, prefix, skip)]
+
+
+def _described(schema, prefix: str, skip: set[str] = frozenset()) -> list[tuple[str, str, str, str]]:
+    """Each setting of `schema` (nested ones dotted): its name, type, default and description."""
     import typing
 
     hints, docs, rows = typing.get_type_hints(schema), field_docs(schema), []
@@ -133,12 +168,43 @@ def _settings(schema, prefix: str, skip: set[str] = frozenset()) -> list[str]:
             continue
         kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
-            rows += _settings(kind, f"{prefix}.{f.name}")
+            rows += _described(kind, f"{prefix}.{f.name}")
             continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
-        rows.append(f"| `{prefix}.{f.name}` | `{_type(kind)}` | `{_value(default)}` | {_cell(docs[f.name])} |")
+        rows.append((f"{prefix}.{f.name}", _type(kind), _value(default), docs[f.name]))
     return rows
+
+
+def group_text(group: str) -> str:
+    """`python -m xtrain --help GROUP`: the group's options, then each setting with its type, default and meaning."""
+    from xtrain.config.schema import OPTION_SCHEMAS
+
+    chosen = defaults().get(group)
+    lines = [f"{group}: choose an option with {group}=OPTION" + (f" (default: {chosen})" if chosen else ""), ""]
+    lines += [f"  {name}{' (default)' if name == chosen else ''}: {about}" for name, about in options(group).items()]
+    schemas = _group_schemas(group)
+    every = {f.name for f in dataclasses.fields(schemas[0][1])} if schemas and group in OPTION_SCHEMAS else set()
+    for title, schema in schemas:
+        lines += ["", f"{title} (SETTING=VALUE):"]
+        for name, kind, default, about in _described(schema, group, skip=every if schema is not schemas[0][1] else set()):
+            lines.append(f"  {name} = {default}   ({kind})")
+            lines += textwrap.wrap(about, 110, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def _group_schemas(group: str) -> list[tuple[str, type]]:
+    """The schemas whose settings a group has: the one every option reads, then each option's own."""
+    from xtrain.config.schema import OPTION_SCHEMAS, RunConfig
+
+    if group in OPTION_SCHEMAS:
+        base = type(getattr(RunConfig(), group)).__mro__[1]
+        found = [(f"Settings of every {group} option", base)]
+        for option in dict.fromkeys(OPTION_SCHEMAS[group][2].values()):
+            found.append((f"Settings of {group}={'|'.join(name.value for name in option.NAMES)} alone", option))
+        return found
+    value = getattr(RunConfig(), group, None)
+    return [(f"Settings of {group}", type(value))] if dataclasses.is_dataclass(value) else []
 
 
 def _type(kind) -> str:

@@ -135,6 +135,8 @@ def setting_index(schema=RunConfig, prefix: str = "") -> dict[str, str]:
         sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         if schema is RunConfig and f.name in OPTION_SCHEMAS:
             names.update(_option_settings(f.name))
+        elif schema is RunConfig and f.name == "model":
+            names.update((key, _SCHEMA_MODELS) for key in setting_index(ModelConfig, "model."))
         elif dataclasses.is_dataclass(sub):
             names.update(setting_index(type(sub), f"{prefix}{f.name}."))
         else:
@@ -142,13 +144,20 @@ def setting_index(schema=RunConfig, prefix: str = "") -> dict[str, str]:
     return names
 
 
+# the model options ModelConfig's settings belong to (the others build a model by `_target_`, their keys its arguments)
+_SCHEMA_MODELS = "model=hf|tiny_gpt2|tiny_llama"
+
+
 def _option_settings(group: str) -> dict[str, str]:
+    """A group's settings → the options that have them; empty where every option of the group has it (`data=custom`,
+    datasets by `_target_`, has none of the data sources' settings)."""
     options = OPTION_SCHEMAS[group][2]
+    every = len(options) + (group == "data")
     owners: dict[str, list[str]] = {}
     for option, option_schema_ in options.items():
         for f in dataclasses.fields(option_schema_):
             owners.setdefault(f.name, []).append(option.value)
-    return {f"{group}.{name}": "" if len(who) == len(options) else f"{group}={'|'.join(who)}"
+    return {f"{group}.{name}": "" if len(who) == every else f"{group}={'|'.join(who)}"
             for name, who in owners.items()}
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from xtrain.config import habits
 from xtrain.config.fields import setting
 from xtrain.config.task import Direction, Export, check_target_node, given, unset
 from xtrain.core.errors import ConfigError, non_negative, positive
+
+ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8}  # the default optimizer's settings (trainer.optimizer's description)
 
 
 @dataclass
@@ -71,7 +74,7 @@ class TrainerConfig:
     kernels faster steps (see the speed guide). GPUs only: a CPU's compiled kernels are C++."""
     monitor: str = setting("val_loss", free=True)
     """The eval value that judges the model: `val_loss`, `val_ppl` (language models) or `val_<metric>` of
-    `task.metrics`. It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
+    `task.metrics` (Lightning's form `val/accuracy` is taken too). It picks what `model/` holds (`export=best`), drives `early_stop_patience`, and ranks a grid
     sweep's points."""
     monitor_direction: Direction = setting(Direction.auto, free=True)
     """Whether a higher or a lower `monitor` is better; `auto` knows the built-in values and metrics, torchmetrics'
@@ -89,7 +92,8 @@ class TrainerConfig:
     optimizer: Dict[str, Any] = field(default_factory=unset)
     """An optimizer of your own: `trainer.optimizer._target_=torch.optim.SGD` (its arguments:
     `+trainer.optimizer.momentum=0.9`); it gets the parameters (weight decay on matrices only, `trainer.weight_decay`,
-    unless it is given its own `weight_decay`) and `trainer.lr` (unless given its own `lr`). Unset: AdamW."""
+    unless it is given its own `weight_decay`) and `trainer.lr` (unless given its own `lr`). Unset: AdamW with
+    betas (0.9, 0.95) and eps 1e-8 (torch's and the HF Trainer's default betas are (0.9, 0.999))."""
     scheduler: Dict[str, Any] = field(default_factory=unset)
     """A learning-rate schedule of your own: `trainer.scheduler._target_=torch.optim.lr_scheduler.OneCycleLR` (its
     arguments: `+trainer.scheduler.pct_start=0.2`), stepped once per optimizer step; it gets the optimizer,
@@ -106,6 +110,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "log_every", "sample_max_tokens"):
             positive(f"trainer.{name}", getattr(self, name))
+        self.monitor = habits.eval_value(self.monitor)  # (Lightning's `val/acc`: run.yaml records `val_accuracy`)
         if self.save_every != "auto" and not (isinstance(self.save_every, int) and not isinstance(self.save_every, bool)
                                                and self.save_every > 0):
             raise ConfigError(f"trainer.save_every={self.save_every}: must be a positive number of steps, or auto")

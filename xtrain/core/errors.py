@@ -164,6 +164,11 @@ def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> s
     if owner:  # a setting of another option of its group
         use = f"add {owner}" if "|" not in owner else "use one of those"
         return f"{given}: no such setting with this {OPTION_NOUNS.get(parts[0], parts[0])}: it is a setting of {owner}; {use}, or drop it"
+    from xtrain.config import habits  # (a table without imports, kept with the settings)
+
+    habit = habits.refusal(name, value)
+    if habit:  # another tool's name for one of xtrain's settings
+        return habit
     if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
         return f"{given}: a model and datasets by _target_ are trained by task=custom; add task=custom"
     if name.split(".")[-1] in EPOCHS:

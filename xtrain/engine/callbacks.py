@@ -109,12 +109,25 @@ def check_hooks(name: str, callback) -> None:
         given = HOOKS[method]
         unbound = isinstance(callback, type) and not isinstance(inspect.getattr_static(callback, method), staticmethod)
         try:
-            inspect.signature(getattr(callback, method)).bind(*(["self"] if unbound else []), "state", *given)
+            signature = inspect.signature(getattr(callback, method))
+        except ValueError:  # no signature to read (a builtin): called as it is
+            continue
+        lightnings(name, method, [p for p in signature.parameters if p != "self"])
+        try:
+            signature.bind(*(["self"] if unbound else []), "state", *given)
         except TypeError:
             raise ConfigError(f"{name}: {method} cannot be called as {method}({', '.join(('state', *given))}), as "
                               "xtrain calls it") from None
-        except ValueError:  # no signature to read (a builtin): called as it is
-            pass
+
+
+def lightnings(name: str, method: str, parameters: list[str]) -> None:
+    """A hook written for Lightning (`on_validation_end(self, trainer, pl_module)`) would be called with xtrain's
+    state and values in those places, and fail inside: refused, saying what xtrain passes."""
+    if parameters[:1] == ["trainer"] or "pl_module" in parameters:
+        given = ", ".join(("state", *HOOKS[method]))
+        raise ConfigError(f"{name}: {method}({', '.join(parameters)}) takes Lightning's arguments; xtrain calls "
+                          f"{method}({given}) (state: run_dir, step, max_steps, world_size, model, result, "
+                          "request_stop())")
 
 
 def check(cfg: RunConfig, dry_run: bool = False) -> None:

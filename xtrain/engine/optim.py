@@ -12,6 +12,7 @@ import torch
 
 from xtrain.config.schema import RunConfig, TrainerConfig
 from xtrain.config.task import given
+from xtrain.config.trainer import ADAMW
 from xtrain.core import seams
 from xtrain.parallel import strategies
 from xtrain.tasks.targets import call, importable, resolve, takes
@@ -33,7 +34,7 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optim
         importable(cfg.task.code_dir)
     if node is not None:
         return users_optimizer(node, groups, params, cfg.trainer)
-    hyper = dict(lr=cfg.trainer.lr, betas=(0.9, 0.95), eps=1e-8)
+    hyper = dict(lr=cfg.trainer.lr, **ADAMW)
     if strategies.of(cfg).optimizer_on_host(cfg) and not seams.first("runs_on_cpu", "zero", cfg):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

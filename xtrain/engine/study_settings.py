@@ -9,11 +9,13 @@ pruner: the storage, the study, the trial, the pruner and the objective.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from xtrain.config import habits
 from xtrain.config.task import known_direction
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
@@ -52,7 +54,9 @@ class StudySettings:
 
 
 def validated(s: StudySettings) -> StudySettings:
-    """Every setting a study can refuse before anything runs: one line each."""
+    """Every setting a study can refuse before anything runs: one line each (an objective in Lightning's form,
+    `val/accuracy`, as xtrain names it)."""
+    s = dataclasses.replace(s, objective=habits.eval_value(s.objective))
     if s.n_trials < 1:
         raise ConfigError(f"hydra.sweeper.n_trials={s.n_trials}: must be >= 1")
     if s.n_jobs < 1:
