@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -182,9 +183,14 @@ BAD = [
     (["trainer.batch_size=choice(8,0)"],
      "the search space's corner trainer.batch_size=0 cannot run: trainer.batch_size=0: must be > 0"),
     (["+hydra.sweeper.params.trainer.lr=1e-3"], "hydra.sweeper.params: no search space"),
+    (["+hydra.sweeper.params.trainer.lr=interval(1e-4,1e-2)"],
+     "+hydra.sweeper.params.trainer.lr=interval(1e-4,1e-2): Hydra reads a sweep here as a sweep of its own settings; "
+     "quote the value (\"+hydra.sweeper.params.trainer.lr='interval(1e-4,1e-2)'\") or give it as "
+     "trainer.lr=interval(1e-4,1e-2)"),
     (["trainer.lr=interval(1e-2,1e-4)"],
      "hydra.sweeper.params: trainer.lr=interval(1e-2,1e-4): `low <= high` must hold, but got (low=0.01, high=0.0001)"),
-    (["trainer.batch_size=range(16,8)"], "trainer.batch_size=range(16,8): the range holds no value"),
+    (["trainer.batch_size=range(16,8)"], "trainer.batch_size=range(16,8): the range is empty (a study's range runs "
+                                         "from start to stop, stop included)"),
 ]
 
 
@@ -216,13 +222,65 @@ def test_the_search_space_takes_hydra_optuna_sweepers_syntax():
     assert space.distributions == {
         "trainer.lr": FloatDistribution(1e-5, 1e-2, log=True),
         "trainer.batch_size": CategoricalDistribution([8, 16, 32]),
-        "model.n_layer": IntDistribution(2, 6, step=2),  # Hydra's range: the stop excluded
+        "model.n_layer": IntDistribution(2, 8, step=2),  # as hydra-optuna-sweeper: the stop included
         "trainer.warmup_steps": IntDistribution(0, 10),
     }
     assert space.fixed == ["trainer.max_steps=50"]
     corners = search_space.corners(space)
     assert len(corners) == 2 * 3 * 2 * 2
     assert ["trainer.lr=1e-05", "trainer.batch_size=8", "model.n_layer=2", "trainer.warmup_steps=0"] in corners
+
+
+# hydra-optuna-sweeper 1.2's distributions for the same overrides (its _impl.py,
+# create_optuna_distribution_from_override), in Optuna 3's classes: IntUniformDistribution(low, high, step) is
+# IntDistribution, IntLogUniformDistribution IntDistribution(log=True), DiscreteUniformDistribution(low, high, q)
+# FloatDistribution(step=q), UniformDistribution and LogUniformDistribution FloatDistribution (log=True).
+OFFICIAL = [
+    ("choice(1,2,3)", "CategoricalDistribution", dict(choices=(1, 2, 3))),
+    ("range(1,3)", "IntDistribution", dict(low=1, high=3, step=1)),  # range's stop: Optuna's inclusive high
+    ("range(1,9,2)", "IntDistribution", dict(low=1, high=9, step=2)),
+    ("range(0.5,5.5,step=1)", "FloatDistribution", dict(low=0.5, high=5.5, step=1.0)),
+    ("shuffle(range(1,3))", "CategoricalDistribution", None),  # (its order is shuffled: the choices are {1, 2})
+    ("interval(1,5)", "FloatDistribution", dict(low=1.0, high=5.0, log=False)),  # Hydra's interval: floats
+    ("int(interval(1,5))", "IntDistribution", dict(low=1, high=5, log=False)),
+    ("tag(log,interval(1e-4,1e-1))", "FloatDistribution", dict(low=1e-4, high=1e-1, log=True)),
+    ("tag(log,int(interval(1,64)))", "IntDistribution", dict(low=1, high=64, log=True)),
+]
+
+
+@pytest.mark.parametrize("override,kind,fields", OFFICIAL, ids=[o[0] for o in OFFICIAL])
+def test_a_study_samples_the_space_hydra_optuna_sweeper_samples(override, kind, fields):
+    from xtrain.sweeps import search_space
+
+    found = search_space.parse([f"trainer.lr={override}"]).distributions["trainer.lr"]
+    assert type(found).__name__ == kind
+    if fields is None:
+        assert sorted(found.choices) == [1, 2]
+    for name, value in (fields or {}).items():
+        got = getattr(found, name)
+        assert (tuple(got) if name == "choices" else got) == value, name
+
+
+def guide_commands() -> list[list[str]]:
+    """The tuning guide's study commands as written (its code blocks' `python -m xtrain -m` lines, continuations
+    joined, comments dropped; not the elided `...` ones, nor SLURM's, which its own tests run), and each inline
+    `hydra.sweeper.params` form after the guide's first command."""
+    import shlex
+
+    text = (REPO / "docs" / "guides" / "tuning.md").read_text()
+    blocks = "\n".join(re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)).replace("\\\n", " ")
+    commands = [shlex.split(line.split("#")[0])[3:] for line in blocks.splitlines()
+                if line.strip().startswith("python -m xtrain -m") and "..." not in line and "cluster=slurm" not in line]
+    inline = [shlex.split(form)[0] for form in re.findall(r"`(\"\+hydra\.sweeper\.params\.[^`]+)`", text)]
+    return commands + [["-m", *commands[0][1:3], form] for form in inline]
+
+
+@pytest.mark.parametrize("command", guide_commands(), ids=lambda c: " ".join(c)[:60])
+def test_the_tuning_guides_commands_run_as_written(tmp_path, command):
+    proc = xtrain_in_process(*[a for a in command if not a.startswith("run_dir=")], f"run_dir={tmp_path / 's'}",
+                             "dry_run=true")
+    assert "study: dry run: nothing was asked, written or started" in proc.stdout
+    assert "corner (trainer.lr=0.0001" in proc.stdout  # (the lr is the space's, in every form)
 
 
 def test_every_rank_of_a_two_process_trial_stops_where_the_pruner_said(tmp_path):

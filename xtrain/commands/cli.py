@@ -259,7 +259,8 @@ def arguments(argv: list[str]) -> list[str]:
             if "LexerNoViableAltException" in str(err):
                 fail(unreadable_character(text, str(err)))
             _report_refusal(err)
-        if isinstance(override.value(), RangeSweep) and not list(override.sweep_iterator()):
+        study = any(a.startswith("hydra/sweeper=") and "optuna" in a for a in parsed.overrides)  # (its range: stop included)
+        if isinstance(override.value(), RangeSweep) and not list(override.sweep_iterator()) and not study:
             fail(f"{text}: the range holds no value (range(start, stop, step) counts from start up to stop, "
                  "without it); a sweep of nothing runs nothing")
     return argv

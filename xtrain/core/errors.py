@@ -216,6 +216,12 @@ def explain(err: Exception, settings: dict[str, str]) -> str:
         text = " ".join(str(err).split())
         function = re.search(r"Unknown function '(\w+)' Available: ([\w,]+)", text)
         override = re.search(r"Error parsing override '([^']+)'", text)
+        hydras = re.search(r"Sweeping over Hydra's configuration is not supported : '([^']+)'", text)
+        if hydras:  # a study's space given as hydra.sweeper.params.X=<a sweep>
+            name, _, value = hydras.group(1).partition("=")
+            return (f"{hydras.group(1)}: Hydra reads a sweep here as a sweep of its own settings; quote the value "
+                    f"(\"{name}='{value}'\") or give it as {name.lstrip('+').removeprefix('hydra.sweeper.params.')}="
+                    f"{value}")
         if override and "missing EQUAL" in text:
             return (f"{override.group(1)}: no value; give {override.group(1)}=VALUE (python -m xtrain --cfg job lists "
                     "every setting and its value)")

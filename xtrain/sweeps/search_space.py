@@ -68,14 +68,13 @@ def distribution(text: str, override):
         if isinstance(value, ChoiceSweep) or (isinstance(value, RangeSweep) and value.shuffle):
             return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
         if isinstance(value, RangeSweep):
-            values = list(override.sweep_iterator())
-            if not values:
-                raise ValueError("the range is empty")
+            if (value.stop - value.start) * value.step < 0:
+                raise ValueError("the range is empty (a study's range runs from start to stop, stop included)")
             if all(isinstance(v, int) for v in (value.start, value.stop, value.step)):
-                return IntDistribution(values[0], values[-1], step=value.step)
-            return FloatDistribution(values[0], values[-1], step=value.step)
+                return IntDistribution(value.start, value.stop, step=value.step)
+            return FloatDistribution(value.start, value.stop, step=value.step)
         if isinstance(value, IntervalSweep):
-            if "int" in tags:
+            if "int" in tags or (isinstance(value.start, int) and isinstance(value.end, int)):
                 return IntDistribution(int(value.start), int(value.end), log="log" in tags)
             return FloatDistribution(value.start, value.end, log="log" in tags)
     except ValueError as err:
