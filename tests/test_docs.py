@@ -30,6 +30,7 @@ def test_help_for_a_group_lists_its_settings_with_defaults_and_meanings():
     assert "betas (0.9, 0.95)" in text and "Cosine decay ends at lr * min_lr_ratio." in text
     strategy = help.group_text("strategy")
     assert "Settings of strategy=fsdp alone" in strategy and "strategy.sharding = " in strategy
+    assert "hydra.sweeper.{sampler, seed, direction, objective," in help.text()  # (a study's settings)
     proc = xtrain_in_process("--help", "trainer")
     assert proc.stdout.strip() == text
     assert_one_line_error(xtrain_in_process("--help", "trainr", check=False),

@@ -131,6 +131,8 @@ def test_bad_input_is_one_line_exit_2_and_creates_nothing(tmp_path, overrides, e
                      "its value)"),
     (["=3e-4"], "=3e-4: no setting's name before '='; give KEY=VALUE, e.g. trainer.lr=3e-4"),
     (["--multi-run"], "unrecognized arguments: --multi-run; python -m xtrain --help lists the options"),
+    (["-m", "--cfg", "hydra"], "-m with --cfg: Hydra prints one composed config, not a sweep's; drop -m (a sweep's "
+                               "points, checked and planned: -m ... dry_run=true)"),
     (["-m", "trainer.batch_size=range(16,8)"], "trainer.batch_size=range(16,8): the range holds no value (range(start, "
                                                "stop, step) counts from start up to stop, without it); a sweep of "
                                                "nothing runs nothing"),

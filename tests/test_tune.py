@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import (PACED, REPO, SMALL, assert_equal_weights, assert_one_line_error, read_metrics, read_result,
                       run_xtrain, xtrain_in_process)
@@ -83,6 +84,8 @@ def test_the_study_marks_the_best_trial_and_draws_its_pictures(pruned_study):
     completed = {p.name: read_result(p)["val_loss"] for p in point_dirs(sweep_dir) if read_result(p)["status"] == "completed"}
     best = min(completed, key=completed.get)
     assert record["best"]["point"] == best and record["best"]["value"] == completed[best]
+    official = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())  # hydra-optuna-sweeper's file
+    assert official == {"name": "optuna", "best_params": record["best"]["params"], "best_value": completed[best]}
     assert f"best trial {record['best']['trial']}" in proc.stdout
     summary = (sweep_dir / "summary.md").read_text()
     assert f"**{best}** (best)" in summary and "pruned" in summary and "8 trials; minimize val_loss" in summary
@@ -273,6 +276,24 @@ def guide_commands() -> list[list[str]]:
                 if line.strip().startswith("python -m xtrain -m") and "..." not in line and "cluster=slurm" not in line]
     inline = [shlex.split(form)[0] for form in re.findall(r"`(\"\+hydra\.sweeper\.params\.[^`]+)`", text)]
     return commands + [["-m", *commands[0][1:3], form] for form in inline]
+
+
+def test_hydra_optuna_sweepers_sampler_forms_and_the_sweepers_settings(tmp_path):
+    """`hydra/sweeper/sampler=NAME` with `hydra.sweeper.sampler.seed`, as the official plugin takes them; an unknown
+    setting of the sweeper, with or without a plus, is one line listing its settings."""
+    proc = xtrain_in_process("-m", f"run_dir={tmp_path / 's'}", "hydra/sweeper=xtrain_optuna", "dry_run=true",
+                             "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=123", LR)
+    assert "sampler RandomSampler" in proc.stdout
+    from xtrain.engine import study_settings
+
+    assert study_settings.sampler_spec({"_target_": "optuna.samplers.TPESampler", "seed": None}, 0)["seed"] == 0
+    for given in ("hydra.sweeper.samplr=random", "+hydra.sweeper.samplr=random"):
+        proc = xtrain_in_process("-m", f"run_dir={tmp_path / 's'}", *STUDY, LR, given, check=False)
+        assert_one_line_error(proc, "hydra.sweeper.samplr", "no such setting", "sampler, seed, direction, objective")
+    proc = xtrain_in_process("-m", f"run_dir={tmp_path / 's'}", *STUDY, LR, "hydra/sweeper/sampler=grid", check=False)
+    assert_one_line_error(proc, "hydra/sweeper/sampler=grid: no such option; choose one of cmaes, gp, nsgaii, qmc, "
+                                "random, tpe")
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("command", guide_commands(), ids=lambda c: " ".join(c)[:60])

@@ -243,6 +243,9 @@ def arguments(argv: list[str]) -> list[str]:
     from hydra.core.override_parser.types import RangeSweep
 
     parsed = parser.parse_args(argv)
+    if parsed.multirun and (parsed.cfg or parsed.info):
+        fail(f"-m with --{'cfg' if parsed.cfg else 'info'}: Hydra prints one composed config, not a sweep's; drop -m "
+             "(a sweep's points, checked and planned: -m ... dry_run=true)")
     try:
         if parsed.config_dir:
             bounds.check_config_dir(parsed.config_dir)

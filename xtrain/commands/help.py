@@ -82,10 +82,19 @@ def text() -> str:
     lines += [f"  {name:<10} {root[name]}" for name in ("run_dir", "resume", "resume_changes", "dry_run") if name in root]
     lines += ["  python -m xtrain --help GROUP lists a group's settings with their defaults and meanings (--help trainer);",
               "  python -m xtrain --cfg job prints every setting with its value.", "",
+              "A study's settings (-m hydra/sweeper=xtrain_optuna; the tuning guide describes each):",
+              f"  hydra.sweeper.{{{', '.join(study_settings())}}}", "",
               "Companion commands:"]
     lines += [f"  {command:<38} {about}" for command, about in COMMANDS.items()]
     lines += ["", "Hydra's own flags: --cfg job|hydra|all, --info, --hydra-help, -m (--multirun)."]
     return "\n".join(lines)
+
+
+def study_settings() -> list[str]:
+    """`hydra/sweeper=xtrain_optuna`'s settings (the sweeper's own config)."""
+    from hydra_plugins.xtrain_launcher.sweeper import SETTINGS
+
+    return SETTINGS
 
 
 def reference() -> str:

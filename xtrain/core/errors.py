@@ -234,6 +234,9 @@ def explain(err: Exception, settings: dict[str, str]) -> str:
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and "Dict[" in str(cause.ref_type):
         given = override_of(key) if value is not None else override_of(key.rpartition(".")[0])
         return new_key_of_mapping(key, *given, set(cause.parent_node or ()))
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key.startswith("hydra.") and cause.parent_node:
+        has = [k for k in cause.parent_node if not str(k).startswith("_")]  # (a plugin's settings: the sweeper's)
+        return f"{name}{'' if value is None else '=' + value}: no such setting; {key.rpartition('.')[0]} has {', '.join(map(str, has))}"
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
         return unknown_setting(name, value, settings)
     if isinstance(cause, MissingMandatoryValue):

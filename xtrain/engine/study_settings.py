@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from xtrain.config import habits
+from xtrain.config.optuna_names import PRUNERS, SAMPLERS
 from xtrain.config.task import known_direction
 from xtrain.core.errors import ConfigError
 from xtrain.core.files import write_atomic
@@ -24,10 +25,6 @@ JOURNAL = "study.journal"
 STUDY_FILE = "study.json"  # the study as the summary and xtrain.status show it
 TRIAL_FILE = "trial.json"
 
-SAMPLERS = {"tpe": "TPESampler", "random": "RandomSampler", "qmc": "QMCSampler", "cmaes": "CmaEsSampler",
-            "gp": "GPSampler", "nsgaii": "NSGAIISampler"}
-PRUNERS = {"median": "MedianPruner", "percentile": "PercentilePruner", "successive_halving": "SuccessiveHalvingPruner",
-           "hyperband": "HyperbandPruner", "none": "NopPruner"}
 PLOTS = {"history.png": "plot_optimization_history", "importances.png": "plot_param_importances",
          "parallel_coordinate.png": "plot_parallel_coordinate", "slice.png": "plot_slice",
          "intermediate_values.png": "plot_intermediate_values"}  # Optuna's, drawn into the sweep dir at the end
@@ -109,8 +106,8 @@ def sampler_spec(value, seed) -> dict:
                               "(or give {_target_: optuna.samplers.<Name>, ...})")
         spec = {"_target_": f"optuna.samplers.{SAMPLERS[value]}"}
         return {**spec, "seed": seed} if seed is not None else spec
-    spec = dict(value or {})
-    if seed is not None and "seed" not in spec:
+    spec = dict(value or {})  # (hydra/sweeper/sampler=tpe's node: {_target_, seed})
+    if seed is not None and spec.get("seed") is None:
         spec["seed"] = seed
     return spec
 

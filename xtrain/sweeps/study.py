@@ -22,6 +22,8 @@ import logging
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from xtrain.config import schema
 from xtrain.config.point import Point
 from xtrain.core import owned, rundir
@@ -35,6 +37,7 @@ from xtrain.sweeps import sweep_dir as sweep_dir_kept
 
 log = logging.getLogger("xtrain")
 
+OPTIMIZATION_RESULTS = "optimization_results.yaml"  # hydra-optuna-sweeper's file: the best trial's params and value
 AGAIN = "again"  # the study's user attribute: trials to run before new ones are asked
 TOLD = {Status.completed: "COMPLETE", Status.pruned: "PRUNED", Status.failed: "FAIL"}
 
@@ -254,6 +257,9 @@ class Study:
         counts = collections.Counter(t.state.name.lower() for t in self.optuna.get_trials(deepcopy=False))
         record = {**study_settings.public(self.s), "trials": dict(counts), "best": best, "space": list(self.space.distributions)}
         write_atomic(self.sweep_dir / study_settings.STUDY_FILE, json.dumps(record, indent=2, default=str) + "\n")
+        if best:  # hydra-optuna-sweeper's record of the best, as it writes it
+            write_atomic(self.sweep_dir / OPTIMIZATION_RESULTS, yaml.safe_dump(
+                {"name": "optuna", "best_params": best["params"], "best_value": best["value"]}, sort_keys=False))
 
     def run(self) -> None:
         """The trials on this machine, `n_jobs` at a time (on SLURM: study_on_slurm.run)."""

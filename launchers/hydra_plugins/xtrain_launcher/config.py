@@ -2,9 +2,11 @@
 discovers the plugin."""
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+
+from xtrain.config.optuna_names import SAMPLERS
 
 
 @dataclass
@@ -54,8 +56,11 @@ class OptunaSweeperConf:
     """`hydra/sweeper=xtrain_optuna` (sweeper.py): hydra-optuna-sweeper's keys where they mean the same."""
 
     _target_: str = "hydra_plugins.xtrain_launcher.sweeper.OptunaSweeper"
-    sampler: Any = "tpe"  # a name (xtrain.engine.study_settings.SAMPLERS) or {_target_: optuna.samplers.<Name>, ...}
-    seed: Optional[int] = None  # the named sampler's seed
+    _recursive_: bool = False  # (the sampler's node is built by the study, with hydra.sweeper.seed)
+    defaults: List[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}])
+    sampler: Any = "tpe"  # hydra/sweeper/sampler=NAME (its node: {_target_: optuna.samplers.<Name>, seed}), a name
+    # (hydra.sweeper.sampler=random: xtrain.config.optuna_names.SAMPLERS), or a node of your own
+    seed: Optional[int] = None  # the sampler's seed, where its node sets none
     direction: str = "minimize"
     objective: str = "val_loss"  # what a trial is judged by: its final value, reported at each eval
     study_name: Optional[str] = None  # default: the sweep dir's name
@@ -63,9 +68,12 @@ class OptunaSweeperConf:
     n_trials: int = 20
     n_jobs: int = 1  # trials at once, each in its own slot of this machine
     max_retries: int = 0  # a failed trial runs again from its checkpoint, up to this many times
-    pruner: str = "median"  # xtrain.engine.study_settings.PRUNERS
+    pruner: str = "median"  # xtrain.config.optuna_names.PRUNERS
     pruner_settings: PrunerSettings = field(default_factory=PrunerSettings)
     params: Dict[str, Any] = field(default_factory=dict)  # the search space: {setting: "interval(...)", ...}
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="xtrain_optuna", node=OptunaSweeperConf, provider="xtrain")
+for _name, _sampler in SAMPLERS.items():  # hydra-optuna-sweeper's form: hydra/sweeper/sampler=tpe
+    ConfigStore.instance().store(group="hydra/sweeper/sampler", name=_name, provider="xtrain",
+                                 node={"_target_": f"optuna.samplers.{_sampler}", "seed": None})

@@ -11,6 +11,7 @@ plugin at every start.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, List
 
@@ -18,6 +19,11 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
+
+from hydra_plugins.xtrain_launcher.config import OptunaSweeperConf
+
+
+SETTINGS = [f.name for f in fields(OptunaSweeperConf) if f.name not in ("_target_", "_recursive_", "defaults")]
 
 
 class OptunaSweeper(Sweeper):
@@ -46,6 +52,10 @@ class OptunaSweeper(Sweeper):
             raise ConfigError(f"hydra.launcher.n_jobs={self.launcher.options['n_jobs']}: a study runs "
                               "hydra.sweeper.n_jobs trials at once; set that instead")
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in one run
+        unknown = sorted(set(self.settings) - set(SETTINGS))
+        if unknown:  # (added with a plus)
+            raise ConfigError(f"hydra.sweeper.{unknown[0]}: no such setting of hydra/sweeper=xtrain_optuna; it has "
+                              f"{', '.join(SETTINGS)}")
         s = dict(self.settings)
         params = s.pop("params")
         params = OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else dict(params or {})
