@@ -5,7 +5,8 @@ For xtrain's own runs each hands the points to `xtrain.sweeps.sweep` with its ba
 (`xtrain.backends.local`, `xtrain.backends.slurm.backend`, `xtrain.backends.ray_cluster`): every point is composed and validated and its run
 dir written before the first one runs or is queued; failures are recorded and the sweep goes on; the
 sweep dir gets its summary after every point. They differ only in the backend, where a point runs. Any other Hydra app under `xtrain_slurm` runs as hydra-submitit-launcher
-runs it: each job on one node, through submitit.
+runs it: each job on one node, through submitit; under `xtrain`, as Hydra's basic launcher runs it (job after job,
+here); `xtrain_ray` refuses it in one line.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ class LocalLauncher(_XtrainLauncher):
 
         return local
 
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        if self.runs_xtrain:
+            return super().launch(job_overrides, initial_job_idx)
+        # Any other Hydra app: its task function, job after job, as Hydra's basic launcher runs it
+        from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+
+        basic = BasicLauncher()
+        basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
+        return basic.launch(job_overrides, initial_job_idx)
+
 
 class RayLauncher(_XtrainLauncher):
     """cluster=ray's: each point a Ray run of its own nodes, `n_jobs` at once."""
@@ -108,6 +119,16 @@ class RayLauncher(_XtrainLauncher):
         from xtrain.backends import ray_cluster
 
         return ray_cluster
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        if not self.runs_xtrain:
+            import sys
+
+            print(f"error: hydra/launcher=xtrain_ray runs xtrain's own runs (python -m xtrain) only; for "
+                  f"{getattr(self.task_function, '__module__', 'this app')}'s jobs use hydra/launcher=xtrain (here, "
+                  "job after job), xtrain_slurm, or hydra-ray-launcher", file=sys.stderr)
+            sys.exit(2)
+        return super().launch(job_overrides, initial_job_idx)
 
 
 class SlurmLauncher(_XtrainLauncher):
