@@ -124,13 +124,13 @@ def test_an_empty_or_unreadable_text_file(tmp_path):
         read(locked)
 
 
-def test_a_2_gb_text_file_with_a_hole_after_its_head_is_refused_in_bounded_memory(tmp_path):
-    """2 GB of `.txt`: 3 MB of one line of text, then a sparse hole (NULs on reading): the run's preparation reads
+def test_a_4_gb_text_file_with_a_hole_after_its_head_is_refused_in_bounded_memory(tmp_path):
+    """4 GB of `.txt`: 3 MB of one line of text, then a sparse hole (NULs on reading): the run's preparation reads
     the head in pieces, finds the binary data at its offset and refuses it in one line, its memory bounded."""
     path = tmp_path / "big.txt"
     with open(path, "wb") as f:
         f.write(b"word " * 600_000)
-        f.truncate(2 << 30)
+        f.truncate(4 << 30)
     code = ("import resource, runpy, sys; sys.argv = ['xtrain', *sys.argv[1:]]\n"
             "try:\n    runpy.run_module('xtrain', run_name='__main__')\n"
             "finally:\n    print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
@@ -140,5 +140,5 @@ def test_a_2_gb_text_file_with_a_hole_after_its_head_is_refused_in_bounded_memor
     *lines, rss = proc.stderr.strip().splitlines()
     proc.stderr = "\n".join(lines)
     assert_one_line_error(proc, f"data.files: {path} holds binary data at offset 3,000,000 ")
-    assert int(rss.split()[1]) * 1024 < 1.5 * (1 << 30)  # (the file read whole: 2 GiB; measured 0.8-1.2 GiB)
+    assert int(rss.split()[1]) * 1024 < 2 << 30  # (the file read whole: 4 GiB; measured 0.8-1.7 GiB)
     assert not (tmp_path / "run").exists()

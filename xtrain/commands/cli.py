@@ -7,7 +7,6 @@ exit code 2. This module imports neither torch nor transformers: `--cfg job` and
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import sys
@@ -25,7 +24,7 @@ from xtrain.commands import bounds
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
 from xtrain.core import runlock
-from xtrain.core.errors import ONE_LINE, ConfigError, LaunchFailed, Stopped, SweepFailed, explain
+from xtrain.core.errors import ONE_LINE, ConfigError, LaunchFailed, Stopped, SweepFailed
 from xtrain.core.files import keep_private
 from xtrain.sweeps import sweep_dir
 
@@ -283,7 +282,7 @@ def refusal_line(err: Exception) -> str:
         return yaml_error(err)
     if isinstance(err, MissingConfigException):
         return unknown_option(str(err))
-    return explain(err, schema.setting_index())
+    return schema.explained(err)
 
 
 def yaml_error(err) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from xtrain.commands import cli
 from xtrain.config import schema
 from xtrain.core import rundir, runlock
-from xtrain.core.errors import ConfigError, LaunchFailed, explain
+from xtrain.core.errors import ConfigError, LaunchFailed
 from xtrain.core.files import write_atomic
 from xtrain.tasks.exports import NotCompleted
 
@@ -79,7 +79,7 @@ def run_config(run_dir: Path, overrides: list[str]):
     try:
         return schema.from_container(config)
     except OmegaConfBaseException as err:
-        raise ConfigError(explain(err, schema.setting_index())) from None
+        raise ConfigError(schema.explained(err)) from None
 
 
 def evaluate_here(run_dir: Path, cfg, options: dict) -> dict | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from xtrain.config import cluster, data, strategy
+from xtrain.config import cluster, data, habits, strategy
 from xtrain.config.fields import setting
 from xtrain.config.cluster import ClusterConfig, ClusterKind, LocalConfig, RayConfig, SlurmConfig  # noqa: F401 (re-exported)
 from xtrain.config.data import (DataConfig, DataSource, ExampleFormat, HfData, ImagesData, PydocData,  # noqa: F401
@@ -27,7 +27,7 @@ from xtrain.config.task import (Direction, Export, TargetData, TargetModel, Task
                                  given, monitor_direction, target_data, target_model)
 from xtrain.config.tracker import TrackerConfig, TrackerKind  # noqa: F401 (re-exported)
 from xtrain.config.trainer import TrainerConfig  # noqa: F401 (re-exported)
-from xtrain.core.errors import ConfigError, override_of, unknown_setting
+from xtrain.core.errors import ConfigError, explain, override_of, unknown_setting
 
 
 @dataclass
@@ -161,6 +161,12 @@ def _option_settings(group: str) -> dict[str, str]:
             for name, who in owners.items()}
 
 
+def explained(err: Exception) -> str:
+    """One line for a Hydra / OmegaConf composition error (core/errors.py's `explain`), with xtrain's settings and
+    other tools' names for them."""
+    return explain(err, setting_index(), habits.refusal)
+
+
 def setting_names(schema=RunConfig) -> list[str]:
     """Every dotted key a user can set, e.g. `trainer.batch_size` (a group's options' together)."""
     return list(setting_index(schema))
@@ -201,7 +207,7 @@ def from_container(container: Any) -> RunConfig:
         container = plain
     for name in unknown_keys(plain, RunConfig):
         setting, value = override_of(name)
-        raise ConfigError(unknown_setting(setting, value, setting_index()))
+        raise ConfigError(unknown_setting(setting, value, setting_index(), habits.refusal))
     root = OmegaConf.structured(RunConfig)
     for group in OPTION_SCHEMAS:
         root[group] = OmegaConf.structured(option_schema(group, plain.get(group)))

@@ -154,9 +154,10 @@ EPOCHS = ("max_epochs", "epochs", "num_epochs", "num_train_epochs", "n_epochs", 
 OPTION_NOUNS = {"data": "data source"}  # what an option of a group is called in a sentence
 
 
-def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> str:
+def unknown_setting(name: str, value: str | None, settings: dict[str, str], others=None) -> str:
     """The one line for a setting that does not exist, with the one that most likely was meant. `settings`: every
-    dotted setting → the options of its group it belongs to (`strategy=fsdp`; empty: every option's)."""
+    dotted setting → the options of its group it belongs to (`strategy=fsdp`; empty: every option's); `others`:
+    (name, value) → the line for another tool's name of a setting, or None (config/habits.py's `refusal`)."""
     given = f"{name}{'' if value is None else '=' + value}"
     parts = name.split(".")
     owner = next((settings[key] for key in (".".join(parts[:n]) for n in range(len(parts), 1, -1))
@@ -164,9 +165,7 @@ def unknown_setting(name: str, value: str | None, settings: dict[str, str]) -> s
     if owner:  # a setting of another option of its group
         use = f"add {owner}" if "|" not in owner else "use one of those"
         return f"{given}: no such setting with this {OPTION_NOUNS.get(parts[0], parts[0])}: it is a setting of {owner}; {use}, or drop it"
-    from xtrain.config import habits  # (a table without imports, kept with the settings)
-
-    habit = habits.refusal(name, value)
+    habit = others(name, value) if others else None
     if habit:  # another tool's name for one of xtrain's settings
         return habit
     if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
@@ -205,9 +204,10 @@ def new_key_of_mapping(key: str, name: str, value: str | None, present: set[str]
     return f"{name}{'' if value is None else '=' + value}: {mapping} takes keys of your own, each added with a plus: {fix}"
 
 
-def explain(err: Exception, settings: dict[str, str]) -> str:
+def explain(err: Exception, settings: dict[str, str], others=None) -> str:
     """One line for a Hydra / OmegaConf composition error: the setting, the bad value, what would work.
-    `settings`: every dotted key a user can set (for the one a typo meant), as `unknown_setting` takes them."""
+    `settings`: every dotted key a user can set (for the one a typo meant), and `others`, as `unknown_setting` takes
+    them."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue
 
     cause = err.__cause__ or err
@@ -238,7 +238,7 @@ def explain(err: Exception, settings: dict[str, str]) -> str:
         has = [k for k in cause.parent_node if not str(k).startswith("_")]  # (a plugin's settings: the sweeper's)
         return f"{name}{'' if value is None else '=' + value}: no such setting; {key.rpartition('.')[0]} has {', '.join(map(str, has))}"
     if isinstance(cause, (ConfigKeyError, ConfigAttributeError)):
-        return unknown_setting(name, value, settings)
+        return unknown_setting(name, value, settings, others)
     if isinstance(cause, MissingMandatoryValue):
         return f"{key}: must be set"
     reason = str(cause).splitlines()[0]

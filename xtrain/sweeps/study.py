@@ -37,7 +37,7 @@ from xtrain.sweeps import sweep_dir as sweep_dir_kept
 
 log = logging.getLogger("xtrain")
 
-OPTIMIZATION_RESULTS = "optimization_results.yaml"  # hydra-optuna-sweeper's file: the best trial's params and value
+OPTUNA_BEST_FILE = "optimization_results.yaml"  # hydra-optuna-sweeper's file: the best trial's params and value
 AGAIN = "again"  # the study's user attribute: trials to run before new ones are asked
 TOLD = {Status.completed: "COMPLETE", Status.pruned: "PRUNED", Status.failed: "FAIL"}
 
@@ -258,7 +258,7 @@ class Study:
         record = {**study_settings.public(self.s), "trials": dict(counts), "best": best, "space": list(self.space.distributions)}
         write_atomic(self.sweep_dir / study_settings.STUDY_FILE, json.dumps(record, indent=2, default=str) + "\n")
         if best:  # hydra-optuna-sweeper's record of the best, as it writes it
-            write_atomic(self.sweep_dir / OPTIMIZATION_RESULTS, yaml.safe_dump(
+            write_atomic(self.sweep_dir / OPTUNA_BEST_FILE, yaml.safe_dump(
                 {"name": "optuna", "best_params": best["params"], "best_value": best["value"]}, sort_keys=False))
 
     def run(self) -> None:

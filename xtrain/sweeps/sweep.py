@@ -22,7 +22,7 @@ from xtrain.config import schema
 from xtrain.config.point import Point
 from xtrain.config.schema import TrainerConfig
 from xtrain.core import owned, rundir
-from xtrain.core.errors import ConfigError, SweepFailed, explain
+from xtrain.core.errors import ConfigError, SweepFailed
 from xtrain.core.rundir import Status
 from xtrain.engine import optim, reporting, resume
 from xtrain.launch import preflight
@@ -72,7 +72,7 @@ def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callab
     except ConfigError as err:
         raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
     except (HydraException, OmegaConfBaseException) as err:  # a typo, a value of the wrong type
-        raise ConfigError(f"point {num} ({' '.join(swept)}): {explain(err, schema.setting_index())}") from None
+        raise ConfigError(f"point {num} ({' '.join(swept)}): {schema.explained(err)}") from None
     try:
         check_swept_lr(swept, cfg)
     except ConfigError as err:
