@@ -59,13 +59,19 @@ class TestLocalLauncherIntegration(IntegrationTestSuite):
     pass
 
 
-def test_a_plain_app_under_xtrain_ray_is_refused_in_one_line(tmp_path, launchers_on_path):
+@pytest.mark.parametrize("flags,line", [
+    (["hydra/launcher=xtrain_ray"], "error: hydra/launcher=xtrain_ray runs xtrain's own runs (python -m xtrain) only; "
+                                    "for __main__'s jobs use hydra/launcher=xtrain (here, job after job), xtrain_slurm, "
+                                    "or hydra-ray-launcher"),
+    (["hydra/launcher=xtrain", "hydra.launcher.n_jobs=2"],
+     "error: hydra.launcher.n_jobs=2: hydra/launcher=xtrain runs another app's jobs one after another; drop it, or use "
+     "hydra/launcher=joblib for jobs at once"),
+])
+def test_what_a_launcher_cannot_do_for_a_plain_app_is_refused_in_one_line(tmp_path, launchers_on_path, flags, line):
     app = tmp_path / "app.py"
     app.write_text("import hydra\n\n@hydra.main(version_base=None, config_path=None, config_name=None)\n"
                    "def main(cfg):\n    print('ran')\n\nmain()\n")
-    proc = subprocess.run([sys.executable, str(app), "-m", "hydra/launcher=xtrain_ray", "+x=1,2"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(app), "-m", *flags, "+x=1,2"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env={**os.environ})
     assert proc.returncode == 2 and "ran" not in proc.stdout
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: hydra/launcher=xtrain_ray runs xtrain's own runs (python -m xtrain) only; for __main__'s jobs use "
-        "hydra/launcher=xtrain (here, job after job), xtrain_slurm, or hydra-ray-launcher")
+    assert proc.stderr.strip().splitlines()[-1] == line

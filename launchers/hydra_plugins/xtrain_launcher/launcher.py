@@ -66,6 +66,14 @@ class _XtrainLauncher(Launcher):
                 for o, p in zip(overrides, points)]
 
 
+def _refuse(why: str) -> None:
+    """A plain Hydra app's launch refused: one line, exit 2 (its own CLI is Hydra's, not xtrain's)."""
+    import sys
+
+    print(f"error: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
 class Composer:
     """One point's run config from its overrides (the `hydra` node removed), as a plain container. It travels
     (pickled) to a SLURM node, where a study's worker composes the trials it asks for."""
@@ -102,6 +110,10 @@ class LocalLauncher(_XtrainLauncher):
         # Any other Hydra app: its task function, job after job, as Hydra's basic launcher runs it
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 
+        if self.options["n_jobs"] != 1:
+            _refuse(f"hydra.launcher.n_jobs={self.options['n_jobs']}: hydra/launcher=xtrain runs another app's jobs one "
+                    "after another; drop it, or use hydra/launcher=joblib for jobs at once")
+
         basic = BasicLauncher()
         basic.setup(hydra_context=self.hydra_context, task_function=self.task_function, config=self.config)
         return basic.launch(job_overrides, initial_job_idx)
@@ -122,12 +134,9 @@ class RayLauncher(_XtrainLauncher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         if not self.runs_xtrain:
-            import sys
-
-            print(f"error: hydra/launcher=xtrain_ray runs xtrain's own runs (python -m xtrain) only; for "
-                  f"{getattr(self.task_function, '__module__', 'this app')}'s jobs use hydra/launcher=xtrain (here, "
-                  "job after job), xtrain_slurm, or hydra-ray-launcher", file=sys.stderr)
-            sys.exit(2)
+            _refuse(f"hydra/launcher=xtrain_ray runs xtrain's own runs (python -m xtrain) only; for "
+                    f"{getattr(self.task_function, '__module__', 'this app')}'s jobs use hydra/launcher=xtrain (here, "
+                    "job after job), xtrain_slurm, or hydra-ray-launcher")
         return super().launch(job_overrides, initial_job_idx)
 
 
