@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, LauncherTestSuite
+from hydra.test_utils.launcher_common_tests import BatchedSweeperTestSuite, IntegrationTestSuite, LauncherTestSuite
 
 from conftest import REPO
 
@@ -28,6 +28,11 @@ def no_version_base(hydra_restore_singletons):
 
 @pytest.mark.parametrize("launcher_name, overrides", [("xtrain", [])])
 class TestLocalLauncher(LauncherTestSuite):
+    pass
+
+
+@pytest.mark.parametrize("launcher_name, overrides", [("xtrain", ["hydra/sweeper=basic", "hydra.sweeper.max_batch_size=2"])])
+class TestLocalLauncherBatched(BatchedSweeperTestSuite):
     pass
 
 

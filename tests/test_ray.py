@@ -291,6 +291,21 @@ def test_a_sweep_runs_its_points_at_once_as_ray_runs(tmp_path, ray_cluster):
 
 
 
+def test_a_batched_sweep_on_ray_keeps_its_record_and_calls_hydras_callbacks(tmp_path, ray_cluster):
+    """Hydra's contract, as on this machine (test_hydra_contract.py): an explicit subdir, `${hydra:job.num}`, one batch
+    after another."""
+    from hydra_calls import check_jobs, recorded, recording
+
+    sweep, log = tmp_path / "sweep", tmp_path / "calls.jsonl"
+    proc = on_ray(tmp_path, ray_cluster, "-m", f"run_dir={sweep}", "cluster.num_processes=1", "hydra/sweeper=basic",
+                  "hydra.sweeper.max_batch_size=1", "hydra.sweep.subdir=job${hydra.job.num}",
+                  "trainer.seed=${hydra:job.num}", "trainer.lr=0.001,0.002", "trainer.max_steps=4", *SMALL, *recording(log))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check_jobs(recorded(log), sweep, ["job0", "job1"], seeds=[0, 1])
+    assert [p["overrides"] for p in json.loads((sweep / "sweep.json").read_text())["points"]] == [
+        ["trainer.lr=0.001"], ["trainer.lr=0.002"]]
+
+
 def test_a_study_places_its_trials_across_2_nodes_each_and_prunes_as_here(tmp_path, ray_cluster):
     """A study of 3 trials of 2 nodes each (1 process a node), the median pruner after the first: each trial's run
     spans both nodes, and what Optuna recorded of each is what its run dir says (completed with its value, or pruned

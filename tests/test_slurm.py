@@ -245,6 +245,22 @@ def test_no_sbatch_on_path_is_one_line(tmp_path):
     assert not run_dir.exists()
 
 
+def test_a_batched_sweep_on_slurm_keeps_its_record_and_calls_hydras_callbacks(tmp_path):
+    """Hydra's contract, as on this machine (test_hydra_contract.py): one batch after another, each a job array."""
+    from hydra_calls import check_jobs, recorded, recording
+
+    sweep_dir, log = tmp_path / "sweep", tmp_path / "calls.jsonl"
+    xtrain_in_process("-m", f"run_dir={sweep_dir}", *SLURM, "hydra/sweeper=basic", "hydra.sweeper.max_batch_size=1",
+                      "trainer.seed=${hydra:job.num}", "trainer.lr=0.001,0.002", *TINY, *recording(log))
+    names = ["0_lr=0.001", "1_lr=0.002"]
+    assert [p["overrides"] for p in json.loads((sweep_dir / "sweep.json").read_text())["points"]] == [
+        ["trainer.lr=0.001"], ["trainer.lr=0.002"]]
+    check_jobs(recorded(log), sweep_dir, names, seeds=[0, 1])
+    for num, name in enumerate(names):
+        assert f"seed: {num}\n" in (sweep_dir / name / "run.yaml").read_text()
+        assert (sweep_dir / name / "slurm.json").exists()
+
+
 def test_a_bad_sweep_point_queues_nothing(tmp_path):
     sweep_dir = tmp_path / "sweep"
     proc = xtrain_in_process("-m", f"run_dir={sweep_dir}", *SLURM, "cluster.nodes=1,3", *TINY, check=False)

@@ -156,7 +156,7 @@ def run_points(points: list[Point] | Callable[[], Point | None], sweep_dir: Path
     # that free each point's memory after it (a full collection over it costs ~0.2 s a point)
     gc.freeze()
     take = points if callable(points) else functools.partial(next, iter(points), None)
-    of = "" if callable(points) else f"/{len(points)}"
+    of = f"/{len(points)}" if hasattr(points, "__len__") else ""
     if n_jobs == 1:
         i = 0
         while (point := take()) is not None:

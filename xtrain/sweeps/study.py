@@ -44,8 +44,10 @@ TOLD = {Status.completed: "COMPLETE", Status.pruned: "PRUNED", Status.failed: "F
 
 class Study:
     def __init__(self, settings: study_settings.StudySettings, space: search_space.Space, sweep_dir: Path,
-                 compose: Callable[[list[str]], dict], backend, resume: bool) -> None:
+                 compose: Callable[[list[str], int], tuple[dict, str | None]], backend, resume: bool,
+                 hooks=None) -> None:
         self.s, self.space, self.sweep_dir, self.compose, self.backend = settings, space, sweep_dir, compose, backend
+        self.hooks = hooks  # Hydra's callbacks for each trial (`start(point)`, `end(point)`), as for a job
         self.resume = resume
         self.on_slurm = backend.__name__.endswith(".slurm.backend")
         self.corners: list[Point] = []
@@ -190,7 +192,7 @@ class Study:
                 again = self.optuna.user_attrs.get(AGAIN, [])
                 if again:
                     self.optuna.set_user_attr(AGAIN, again[1:])
-                    return self.point_of(again[0])
+                    return self.starting(self.point_of(again[0]))
                 if len(self.optuna.get_trials(deepcopy=False)) >= self.s.n_trials:
                     return None
                 trial = self.optuna.ask(fixed_distributions=self.space.distributions)
@@ -206,7 +208,20 @@ class Study:
                 trial.set_user_attr("overrides", point.swept)
                 study_settings.write_trial_file(point.path, self.s, trial._trial_id, trial.number)
                 self.write_record()  # (xtrain.status counts the running trial)
-                return point
+                return self.starting(point)
+
+    def starting(self, point: Point) -> Point:
+        if self.hooks:
+            self.hooks.start(self.composed(point))
+        return point
+
+    def composed(self, point: Point) -> Point:
+        """The trial's job config composed in this process (a continued trial's, for Hydra's callbacks)."""
+        if not self.hooks.knows(point):
+            params = self.optuna.get_trials(deepcopy=False)[point.num].params
+            self.compose([*self.space.fixed, *(search_space.as_override(k, params[k]) for k in self.space.distributions),
+                          "resume=auto"], point.num)
+        return point
 
     def on_end(self, point: Point) -> None:
         result = rundir.read_result(point.path)
@@ -224,6 +239,8 @@ class Study:
             self.tell(point)
         sweep.report(point)
         self.write_summary(picture=False)  # a slot waits for this: its ~0.5 s picture is drawn at the end
+        if self.hooks:
+            self.hooks.end(self.composed(point))
 
     def trial(self, number: int):
         """The running trial `number`, to set its attributes."""

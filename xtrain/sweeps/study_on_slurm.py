@@ -150,7 +150,8 @@ class Worker:
         study.on_slurm = True
         study.claiming = lambda: claiming(self.sweep_dir)
         study.open(worker=index + 1)
-        point, ran = self.own_trial(study, here) or study.next_point(), []
+        own = self.own_trial(study, here)
+        point, ran = study.starting(own) if own else study.next_point(), []
         while point is not None:
             write_atomic(here / rundir.WORKER_TRIAL, json.dumps({"job": array_job(), "restart": machine.restart_count(),
                                                                  "trial": point.num, "dir": str(point.path)}) + "\n")

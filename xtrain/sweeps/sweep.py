@@ -10,6 +10,7 @@ completed points, continues interrupted ones from their newest checkpoint and ru
 from __future__ import annotations
 
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -33,14 +34,21 @@ from xtrain.tasks.targets import importable
 log = logging.getLogger("xtrain")
 
 
-def swept_overrides(job_overrides: list[list[str]]) -> list[list[str]]:
-    """Per point, the overrides whose value differs between points (what names and labels a point)."""
+def varying_keys(job_overrides: list[list[str]]) -> set[str]:
+    """The keys whose value differs between points."""
     values: dict[str, set[str]] = {}
     for overrides in job_overrides:
         for item in overrides:
             key, _, value = item.partition("=")
             values.setdefault(key, set()).add(value)
-    return [[o for o in overrides if len(values[o.partition("=")[0]]) > 1] for overrides in job_overrides]
+    return {key for key, seen in values.items() if len(seen) > 1}
+
+
+def swept_overrides(job_overrides: list[list[str]], swept_keys: set[str] = frozenset()) -> list[list[str]]:
+    """Per point, the overrides of `swept_keys` and of the keys whose value differs between points (what names and
+    labels a point)."""
+    keys = varying_keys(job_overrides) | set(swept_keys)
+    return [[o for o in overrides if o.partition("=")[0] in keys] for overrides in job_overrides]
 
 
 def point_dir_name(num: int, swept: list[str]) -> str:
@@ -54,20 +62,40 @@ def point_dir_name(num: int, swept: list[str]) -> str:
     return f"{num}_{text}" if text else str(num)
 
 
-def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str]], object], sweep_dir: Path,
-                first_num: int = 0, parallel: int = 1) -> list[Point]:
-    """Every point's typed config and run dir (`parallel`: points run at once, sharing this machine's GPUs);
-    a bad point is a ConfigError that names it."""
-    return [plan_point(first_num + i, overrides, swept, compose, sweep_dir, parallel)
-            for i, (overrides, swept) in enumerate(zip(job_overrides, swept_overrides(job_overrides)))]
+def plan_points(job_overrides: list[list[str]], compose: Callable[[list[str], int], tuple[dict, str | None]],
+                sweep_dir: Path, first_num: int = 0, parallel: int = 1, swept_keys: set[str] = frozenset()) -> list[Point]:
+    """Every point's typed config and run dir (`parallel`: points run at once, sharing this machine's GPUs;
+    `swept_keys`: keys swept that may not vary in this batch of the sweep); a bad point is a ConfigError that names it."""
+    points = [plan_point(first_num + i, overrides, swept, compose, sweep_dir, parallel)
+              for i, (overrides, swept) in enumerate(zip(job_overrides, swept_overrides(job_overrides, swept_keys)))]
+    check_apart(points)
+    return points
 
 
-def plan_point(num: int, overrides: list[str], swept: list[str], compose: Callable[[list[str]], object],
-               sweep_dir: Path, parallel: int = 1) -> Point:
-    """One point's typed config, its run dir named by its number and `swept`; a ConfigError names it."""
+def _below(path: Path, folder: Path) -> bool:
+    path, folder = Path(os.path.abspath(path)), Path(os.path.abspath(folder))
+    return path != folder and path.is_relative_to(folder)
+
+
+def check_apart(points: list[Point], earlier: dict[Path, int] | None = None) -> None:
+    """Each point has a run dir of its own (`earlier`: the dirs of an earlier batch's points, by number)."""
+    seen = dict(earlier or {})
+    for point in points:
+        other = seen.setdefault(point.path, point.num)
+        if other != point.num:
+            raise ConfigError(f"hydra.sweep.subdir: points {other} and {point.num} would share the run dir {point.path}; "
+                              "give each its own, e.g. hydra.sweep.subdir='${hydra.job.num}_...'")
+
+
+def plan_point(num: int, overrides: list[str], swept: list[str],
+               compose: Callable[[list[str], int], tuple[dict, str | None]], sweep_dir: Path, parallel: int = 1) -> Point:
+    """One point's typed config, its run dir `compose` names (Hydra's `hydra.sweep.subdir`, where one is set) or
+    else named by its number and `swept`; a ConfigError names it."""
     try:
-        container = compose(list(overrides))
-        container["run_dir"] = str(sweep_dir / point_dir_name(num, swept))
+        container, subdir = compose(list(overrides), num)
+        if subdir is not None and not _below(sweep_dir / subdir, sweep_dir):
+            raise ConfigError(f"hydra.sweep.subdir={subdir}: outside the sweep dir {sweep_dir}; give a path inside it")
+        container["run_dir"] = str(sweep_dir / (subdir or point_dir_name(num, swept)))
         cfg = resolve_auto(schema.from_container(container), parallel)
     except ConfigError as err:
         raise ConfigError(f"point {num} ({' '.join(swept)}): {err}") from None
@@ -146,6 +174,7 @@ def prepare_all(points: list[Point], sweep_dir: Path, backend) -> list[Point]:
             raise ConfigError(err if str(err).startswith("point ") else f"point {point.num} ({point.label}): {err}") from None
         todo.append((point, check_point(point, backend)))
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    sweep_dir_kept.keep()
     rundir.add_sweep_points(sweep_dir, points)
     for _, prepared in todo:
         preflight.write_run_dir(prepared)
@@ -173,18 +202,21 @@ def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
     sweep_dir_kept.restore()
 
 
-def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, **options) -> None:
-    """Run the points still to do on the backend; after each, its outcome is logged and the summary rewritten.
-    SweepFailed names every point that did not complete (or says the sweep was interrupted)."""
+def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, on_start: Callable[[Point], None] = None,
+        on_end: Callable[[Point], None] = None, **options) -> None:
+    """Run the points still to do on the backend, `on_start` each as it starts (is submitted, on SLURM); after each,
+    its outcome is logged, the summary rewritten and `on_end` called. SweepFailed names every point that did not
+    complete (or says the sweep was interrupted)."""
     log.info("sweep: %d points in %s, %d to run", len(points), sweep_dir, len(todo))
     summary.write(sweep_dir)
-
-    def on_end(point: Point) -> None:
+    def ended(point: Point) -> None:
         report(point)
         summary.write(sweep_dir)
+        if on_end:
+            on_end(point)
 
     try:
-        waited = backend.run_points(todo, sweep_dir, on_end, **options)
+        waited = backend.run_points(Starting(todo, on_start), sweep_dir, ended, **options)
     except KeyboardInterrupt:
         summary.write(sweep_dir)
         raise SweepFailed([f"sweep interrupted; continue it with run_dir={sweep_dir} resume=auto"], 130) from None
@@ -193,6 +225,22 @@ def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, **opti
         raise
     if waited:
         finish(points, sweep_dir)
+
+
+class Starting:
+    """The points to run as a backend asks for them (a source, with a length), `on_start` each as it is taken."""
+
+    def __init__(self, points: list[Point], on_start: Callable[[Point], None] | None) -> None:
+        self.waiting, self.on_start, self.count = iter(points), on_start, len(points)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __call__(self) -> Point | None:
+        point = next(self.waiting, None)
+        if point is not None and self.on_start:
+            self.on_start(point)
+        return point
 
 
 def finish(points: list[Point], sweep_dir: Path) -> None:
@@ -204,7 +252,7 @@ def finish(points: list[Point], sweep_dir: Path) -> None:
             failed.append(f"point {point.num} ({point.label}) {result.get('status', 'not run')}: {result.get('error', '')}")
     if failed:
         raise SweepFailed(failed + [f"{len(failed)} of {len(points)} points failed; summary: {sweep_dir / summary.MARKDOWN}"], 1)
-    log.info("sweep done: %d points; summary: %s", len(points), sweep_dir / summary.MARKDOWN)
+    log.info("sweep done: %d points; summary: %s", len(rundir.sweep_points(sweep_dir)), sweep_dir / summary.MARKDOWN)
 
 
 def report(point: Point) -> None:

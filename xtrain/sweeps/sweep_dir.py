@@ -2,7 +2,8 @@
 
 Hydra's sweeper writes multirun.yaml into the sweep dir before the launcher checks any point. `kept()` wraps a
 command: while it runs, the launcher notes what the dir held (`note`); a refusal that ends the command, or a dry
-run (`restore`), puts it back: multirun.yaml as it was, the dir gone where it was not there.
+run (`restore`), puts it back: multirun.yaml as it was, the dir gone where it was not there. Once a point is written
+into it (`keep`), it stays.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ class SweepDir:
         self.path = None
 
 
+    def keep(self) -> None:
+        """Points are written into it: from now on it is a sweep's, refused or not."""
+        self.path = None
+
+
 _current: ContextVar[SweepDir | None] = ContextVar("sweep_dir", default=None)
 
 
@@ -57,6 +63,12 @@ def note(path: Path) -> None:
     """The launcher, before any point is checked: what the sweep dir holds now."""
     if _current.get() is not None:
         _current.get().note(path)
+
+
+def keep() -> None:
+    """Points were written (a batched sweeper's later batch may still be refused): nothing to restore."""
+    if _current.get() is not None:
+        _current.get().keep()
 
 
 def restore() -> None:

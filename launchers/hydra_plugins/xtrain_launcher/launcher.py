@@ -11,6 +11,7 @@ here); `xtrain_ray` refuses it in one line.
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,7 +20,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 
 class _XtrainLauncher(Launcher):
@@ -28,6 +29,9 @@ class _XtrainLauncher(Launcher):
         self.hydra_context = hydra_context
         self.task_function = task_function
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
+        self.composer = Composer(hydra_context, config)
+        self.swept_keys = swept_on_command_line(config)  # with the keys seen varying in earlier batches
+        self.dirs: dict[Path, int] = {}  # earlier batches' points' run dirs
         if self.runs_xtrain:
             from xtrain.sweeps import sweep_dir
 
@@ -39,7 +43,7 @@ class _XtrainLauncher(Launcher):
 
     @property
     def compose(self) -> "Composer":
-        return Composer(self.hydra_context, self.config)
+        return self.composer
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from xtrain.sweeps import sweep
@@ -47,9 +51,13 @@ class _XtrainLauncher(Launcher):
 
         configure_log(self.config.hydra.job_logging, self.config.hydra.verbose)  # xtrain's lines, as in a single run
         overrides = [list(o) for o in job_overrides]
+        self.swept_keys |= sweep.varying_keys(overrides)  # a batched sweeper's batch: its points named as the first's
         points = sweep.plan_points(overrides, self.compose, self.sweep_dir, initial_job_idx,
-                                   parallel=self.options.get("n_jobs", 1) if self.cluster_kind == "local" else 1)
+                                   parallel=self.options.get("n_jobs", 1) if self.cluster_kind == "local" else 1,
+                                   swept_keys=self.swept_keys)
+        sweep.check_apart(points, self.dirs)
         for point in points:
+            self.dirs[point.path] = point.num
             if point.cfg.cluster.kind.value != self.cluster_kind:
                 raise ConfigError(f"point {point.num} ({point.label}): cluster.kind={point.cfg.cluster.kind.value} "
                                   f"under hydra/launcher={self.name}, {self.wrong_kind}")
@@ -57,13 +65,73 @@ class _XtrainLauncher(Launcher):
         backend.check_points(points, **self.options)
         if points and points[0].cfg.dry_run:
             sweep.dry_run(points, self.sweep_dir, backend, **self.options)
-            return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
-                              status=JobStatus.COMPLETED, _return_value=None) for o, p in zip(overrides, points)]
+            return [self.job_hooks.job_return(p, ran=False) for p in points]
         todo = sweep.prepare_all(points, self.sweep_dir, backend)
-        sweep.run(points, todo, self.sweep_dir, backend, **self.options)  # raises SweepFailed if any point failed
-        return [JobReturn(overrides=o, cfg=self.config, working_dir=str(p.path), task_name="xtrain",
-                          status=JobStatus.COMPLETED, _return_value=sweep.kept_score(p.path))
-                for o, p in zip(overrides, points)]
+        hooks = self.job_hooks
+        sweep.run(points, todo, self.sweep_dir, backend, on_start=hooks.start, on_end=hooks.end,
+                  **self.options)  # raises SweepFailed if any point failed
+        return [hooks.job_return(p) for p in points]
+
+    @property
+    def job_hooks(self) -> "JobHooks":
+        return JobHooks(self.composer, self.task_function, self.hydra_context.callbacks)
+
+
+class JobHooks:
+    """Hydra's callbacks (`hydra.callbacks`) for each point, as Hydra's launchers call them for each job:
+    `on_job_start` as it starts, `on_job_end` with its `JobReturn` as it ends. Pickled to a SLURM study's workers,
+    which build the callbacks again there."""
+
+    def __init__(self, composer: "Composer", task_function: TaskFunction, callbacks=None) -> None:
+        self.composer, self.task_function, self.callbacks = composer, task_function, callbacks
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "callbacks": None}
+
+    def _callbacks(self):
+        if self.callbacks is None:
+            from hydra._internal.callbacks import Callbacks
+
+            self.callbacks = Callbacks(self.composer.config)
+        return self.callbacks
+
+    def knows(self, point) -> bool:
+        return point.num in self.composer.jobs
+
+    def start(self, point) -> None:
+        self._callbacks().on_job_start(config=self.composer.job_config(point), task_function=self.task_function)
+
+    def end(self, point) -> None:
+        self._callbacks().on_job_end(config=self.composer.job_config(point), job_return=self.job_return(point))
+
+    def job_return(self, point, ran: bool = True) -> JobReturn:
+        """What Hydra's launchers return for a job: its config (the `hydra` node apart), Hydra's node, its overrides
+        and outcome (completed: the score Hydra's sweepers optimise; else the failure, raised where it is read)."""
+        from xtrain.core import rundir
+        from xtrain.sweeps import sweep
+
+        config = self.composer.job_config(point)
+        task_cfg = copy.deepcopy(config)
+        with open_dict(task_cfg):
+            del task_cfg["hydra"]
+        result = rundir.read_result(point.path) if ran else {"status": "completed"}
+        completed = result.get("status") in (rundir.Status.completed, rundir.Status.pruned)  # (a study's trial, stopped)
+        value = (sweep.kept_score(point.path) if ran else None) if completed else RuntimeError(
+            f"point {point.num} ({point.label}) {result.get('status', 'not run')}: {result.get('error', '')}")
+        return JobReturn(overrides=OmegaConf.to_container(config.hydra.overrides.task), cfg=task_cfg,
+                         hydra_cfg=OmegaConf.masked_copy(config, "hydra"), working_dir=os.getcwd(),
+                         task_name=str(config.hydra.job.name), _return_value=value,
+                         status=JobStatus.COMPLETED if completed else JobStatus.FAILED)
+
+
+def swept_on_command_line(config: DictConfig) -> set[str]:
+    """The keys a sweep's command line (`a=1,2`, `a=range(3)`) or `hydra.sweeper.params` sweeps."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(OmegaConf.to_container(config.hydra.overrides.task))
+    keys = {o.input_line.partition("=")[0] for o in parsed if o.is_sweep_override()}
+    params = OmegaConf.select(config, "hydra.sweeper.params")
+    return keys | set(params or {}) if isinstance(params, DictConfig) else keys
 
 
 def _refuse(why: str) -> None:
@@ -75,21 +143,52 @@ def _refuse(why: str) -> None:
 
 
 class Composer:
-    """One point's run config from its overrides (the `hydra` node removed), as a plain container. It travels
-    (pickled) to a SLURM node, where a study's worker composes the trials it asks for."""
+    """One point's run config from its overrides and number (the `hydra` node removed, `${hydra:job.num}` and the
+    like resolved as Hydra's launchers resolve them), as a plain container, with `hydra.sweep.subdir` where a config
+    or the command line sets it (None: xtrain's own `<num>_<swept>`). It travels (pickled) to a SLURM node, where a
+    study's worker composes the trials it asks for."""
 
     def __init__(self, hydra_context: HydraContext, config: DictConfig) -> None:
         self.hydra_context, self.config = hydra_context, config
         self.state, self.pid = Singleton.get_state(), os.getpid()
+        subdir = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir")
+        self.own_subdir = subdir not in (None, "${hydra.job.num}")  # (xtrain's conf/config.yaml sets that)
+        self.jobs: dict[int, DictConfig] = {}  # each point's job config, for Hydra's callbacks and JobReturn
 
-    def __call__(self, overrides: list[str]) -> dict:
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "jobs": {}}
+
+    def __call__(self, overrides: list[str], num: int) -> tuple[dict, str | None]:
+        from hydra.core.hydra_config import HydraConfig
+
         if os.getpid() != self.pid:  # unpickled in another process: Hydra's config search path, as here
             Singleton.set_state(self.state)
             self.pid = os.getpid()
-        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-        with open_dict(sweep_config):
-            del sweep_config["hydra"]
-        return OmegaConf.to_container(sweep_config, resolve=True)
+        config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(config):
+            config.hydra.job.id = num
+            config.hydra.job.num = num
+        HydraConfig.instance().set_config(config)  # (as Hydra's run_job does for a job)
+        subdir = str(config.hydra.sweep.subdir) if self.own_subdir else None
+        if num >= 0:
+            self.jobs[num] = config
+        job = copy.deepcopy(config)
+        with open_dict(job):
+            del job["hydra"]
+        return OmegaConf.to_container(job, resolve=True), subdir
+
+    def job_config(self, point) -> DictConfig:
+        """The point's config as Hydra's callbacks get a job's (`hydra` node and all; `run_dir` and
+        `hydra.runtime.output_dir` its run dir), Hydra's config set to it."""
+        from hydra.core.hydra_config import HydraConfig
+
+        config = self.jobs[point.num]
+        with open_dict(config):
+            config.run_dir = str(point.path)
+        with read_write(config.hydra.runtime):
+            config.hydra.runtime.output_dir = os.path.abspath(point.path)
+        HydraConfig.instance().set_config(config)
+        return config
 
 
 class LocalLauncher(_XtrainLauncher):

@@ -77,7 +77,7 @@ class OptunaSweeper(Sweeper):
             **s,
         ))
         run = study.Study(settings, space, self.sweep_dir, self.launcher.compose, self.launcher.backend(),
-                         resume=self.config.get("resume") == "auto")
+                         resume=self.config.get("resume") == "auto", hooks=self.launcher.job_hooks)
         run.check()
         if run.on_slurm:
             from xtrain.sweeps import study_on_slurm

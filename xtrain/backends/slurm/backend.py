@@ -116,10 +116,12 @@ def check_points(points: list[Point], *, array_parallelism: int = 256) -> None:
         raise ConfigError(f"hydra.launcher.array_parallelism={array_parallelism}: must be >= 1")
 
 
-def run_points(points: list[Point], sweep_dir: Path, on_end: Callable[[Point], None], *,
+def run_points(points: list[Point] | Callable[[], Point | None], sweep_dir: Path, on_end: Callable[[Point], None], *,
                array_parallelism: int = 256) -> bool:
-    """Submit already-written points (one job array per set of job parameters) and follow them, `on_end` each
-    as it ends; False if they were left queued (cluster.wait=false). Ctrl-C cancels them: SweepFailed."""
+    """Submit already-written points (one job array per set of job parameters; a source of points is asked for
+    all of them at once) and follow them, `on_end` each as it ends; False if they were left queued
+    (cluster.wait=false). Ctrl-C cancels them: SweepFailed."""
+    points = list(iter(points, None)) if callable(points) else points
     groups = [(params, [p.path for p in group]) for params, group in arrays(points, array_parallelism)]
     jobs = submit(groups, sweep_dir / LOGS) if points else []
     by_path = {p.path: p for p in points}
