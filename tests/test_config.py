@@ -38,7 +38,7 @@ cluster.timeout_s cluster.gpu_memory_gb cluster.check_memory cluster.mtbf_hours 
 cluster.partition cluster.account cluster.qos cluster.constraint cluster.exclude cluster.job_name cluster.sbatch_args
 cluster.setup cluster.srun_args cluster.container_image cluster.container_mounts cluster.container_python cluster.wait cluster.signal_lead_s
 cluster.max_requeues cluster.address cluster.cpus_per_node cluster.resources cluster.kuberay cluster.max_restarts
-trainer.batch_size trainer.grad_accum trainer.max_steps trainer.lr trainer.warmup_steps trainer.min_lr_ratio
+trainer.batch_size trainer.grad_accum trainer.max_steps trainer.max_epochs trainer.limit_train_batches trainer.limit_val_batches trainer.overfit_batches trainer.lr trainer.warmup_steps trainer.min_lr_ratio
 trainer.weight_decay trainer.max_grad_norm trainer.eval_every trainer.save_every trainer.async_save trainer.keep_checkpoints
 trainer.log_every trainer.seed trainer.fused_optimizer trainer.sample_prompts trainer.sample_max_tokens
 trainer.compile trainer.compile_tuning trainer.monitor trainer.monitor_direction trainer.export trainer.early_stop_patience

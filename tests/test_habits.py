@@ -46,6 +46,12 @@ def test_every_name_in_the_table_maps_to_a_setting_or_an_option_that_exists():
                    "precision=fp32)"),
     ("per_device_train_batch_size=8", "per_device_train_batch_size=8: the HF Trainer's name for xtrain's "
                                       "trainer.batch_size; give trainer.batch_size=8"),
+    ("trainer.fast_dev_run=1", "trainer.fast_dev_run=1: Lightning's name for xtrain's debug; give debug=fdr (a few "
+                               "steps on a few batches, evals and a checkpoint included)"),
+    ("trainer.min_epochs=1", "trainer.min_epochs=1: Lightning's setting; xtrain trains trainer.max_epochs or "
+                             "trainer.max_steps, with no minimum before trainer.early_stop_patience may stop it: drop it"),
+    ("num_train_epochs=3", "num_train_epochs=3: the HF Trainer's name for xtrain's trainer.max_epochs; give "
+                           "trainer.max_epochs=3"),
     ("trainer.save_total_limit=2", "trainer.save_total_limit=2: the HF Trainer's name for xtrain's "
                                    "trainer.keep_checkpoints; give trainer.keep_checkpoints=2"),
 ])

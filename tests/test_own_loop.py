@@ -440,7 +440,7 @@ def test_the_log_says_where_a_run_stands_and_what_it_saved(project, tmp_path):
      "metrics), as xtrain calls it"),
     (["trainer.callbacks=[{_target_: extra.Slow, every: 2}]"],
      "trainer.callbacks[0].every=2: extra.Slow takes no argument every (it takes no keyword arguments)"),
-    (["trainer.max_epochs=3"], "trainer.max_epochs=3: xtrain counts optimizer steps, not epochs; set trainer.max_steps"),
+    (["trainer.epochs=3"], "trainer.epochs=3: no such setting; did you mean trainer.max_epochs?"),
     (["trainer.optimizer._target_=torch.optim.SGD", "+trainer.optimizer.momentun=0.9"],
      "trainer.optimizer.momentun=0.9: torch.optim.SGD takes no argument momentun; did you mean "
      "trainer.optimizer.momentum?"),

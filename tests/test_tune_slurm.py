@@ -98,14 +98,19 @@ def test_a_study_of_two_slurm_workers_survives_a_requeue_mid_trial(tmp_path):
 def test_a_study_s_trials_span_both_nodes_of_their_workers_allocation(tmp_path):
     """cluster.nodes=2: the one worker's allocation is both nodes; its first node asks for each trial and names it,
     the other trains it as node 1. Each trial's run spans n1 and n2 (one process a node), and what Optuna recorded of
-    it is what its run dir says."""
+    it is what its run dir says. Hydra's callbacks see each trial, in the worker that runs it."""
+    from hydra_calls import recorded, recording
     from test_slurm import TINY
 
-    sweep_dir = tmp_path / "study"
+    sweep_dir, log = tmp_path / "study", tmp_path / "calls.jsonl"
     proc = run_xtrain("-m", f"run_dir={sweep_dir}", *STUDY, *SLURM, *TINY, "cluster.nodes=2", "cluster.num_processes=1",
-                      "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner=none", LR)
+                      "hydra.sweeper.n_trials=2", "hydra.sweeper.pruner=none", LR, *recording(log))
     trials = study_trials(sweep_dir)
     assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"], proc.stderr
+    jobs = [c for c in recorded(log) if c["hook"] in ("on_job_start", "on_job_end")]
+    assert [(c["hook"], c["num"]) for c in jobs] == [("on_job_start", 0), ("on_job_end", 0), ("on_job_start", 1),
+                                                    ("on_job_end", 1)]
+    assert [c["value"] for c in jobs[1::2]] == [t.value for t in trials]
     for path in point_dirs(sweep_dir):
         result = read_result(path)
         assert result["status"] == "completed" and result["world_size"] == 2 and result["hosts"] == ["n1", "n2"]

@@ -15,7 +15,7 @@ from importlib.resources import files
 
 import yaml
 
-GROUPS = ("task", "model", "data", "strategy", "precision", "cluster", "trainer", "tracker", "experiment")
+GROUPS = ("task", "model", "data", "strategy", "precision", "cluster", "trainer", "tracker", "experiment", "debug")
 COMMANDS = {
     "python -m xtrain.prepare OVERRIDES": "prepare the run's data ahead of time (nothing trains)",
     "python -m xtrain.status DIR": "where a run or a sweep stands, from its files",

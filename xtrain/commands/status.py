@@ -94,7 +94,7 @@ def worker_lines(sweep_dir: Path) -> list[str]:
 def run_status(run_dir: Path) -> str:
     job = slurm_state(run_dir)
     row = summary.run_row(run_dir)
-    max_steps = summary.run_config(run_dir)["trainer"]["max_steps"]
+    max_steps = summary.run_config(run_dir)["trainer"]["max_steps"] or rundir.read_result(run_dir).get("max_steps", "?")
     lines = [f"run {run_dir}: {row['status']}, step {row['steps'] or 0} of {max_steps}"]
     if job:
         lines.append(f"  slurm            {job}")

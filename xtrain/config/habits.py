@@ -41,6 +41,11 @@ HABITS: dict[str, Habit] = {
     "trainer.strategy": Habit("strategy", LIGHTNING, STRATEGIES, closed=True),
     "trainer.accelerator": Habit("", LIGHTNING, note="xtrain trains on the GPUs it finds, and on the CPU where there "
                                                      "are none: drop it"),
+    "trainer.min_epochs": Habit("", LIGHTNING, note="xtrain trains trainer.max_epochs or trainer.max_steps, with no "
+                                                    "minimum before trainer.early_stop_patience may stop it: drop it"),
+    "trainer.fast_dev_run": Habit("debug", LIGHTNING, {"true": "fdr", "1": "fdr"}, closed=True,
+                                  note="a few steps on a few batches, evals and a checkpoint included"),
+    "num_train_epochs": Habit("trainer.max_epochs", HF),
     "trainer.log_every_n_steps": Habit("trainer.log_every", LIGHTNING),
     "trainer.val_check_interval": Habit("trainer.eval_every", LIGHTNING, note="in optimizer steps"),
     "trainer.check_val_every_n_epoch": Habit("trainer.eval_every", LIGHTNING, note="in optimizer steps"),

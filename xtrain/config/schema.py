@@ -284,8 +284,11 @@ def unknown_keys(node: Any, schema, prefix: str = "") -> list[str]:
 
 def upgraded(record: dict) -> dict:
     """A run.yaml (or a checkpoint's config) written when each group's settings were one flat list: without the
-    settings of the options it did not choose (it held them at their defaults: any other value was refused)."""
+    settings of the options it did not choose (it held them at their defaults: any other value was refused). A
+    checkpoint's config by `trainer.max_epochs`: without the steps they came to (each run works them out again)."""
     out = dict(record)
+    if isinstance(record.get("trainer"), dict) and record["trainer"].get("max_epochs") is not None:
+        out["trainer"] = {**record["trainer"], "max_steps": None}
     for group in OPTION_SCHEMAS:
         if isinstance(record.get(group), dict) and OPTION_SCHEMAS[group][0] in record[group]:  # (not datasets by _target_)
             own = _fields(_named_schema(group, record[group]))

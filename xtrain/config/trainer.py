@@ -10,6 +10,7 @@ from xtrain.config.fields import setting
 from xtrain.config.task import Direction, Export, check_target_node, given, unset
 from xtrain.core.errors import ConfigError, non_negative, positive
 
+DEFAULT_STEPS = 300
 ADAMW = {"betas": (0.9, 0.95), "eps": 1e-8}  # the default optimizer's settings (trainer.optimizer's description)
 
 
@@ -19,9 +20,20 @@ class TrainerConfig:
     """Per-device micro batch, in sequences."""
     grad_accum: int = 1
     """Micro batches per optimizer step."""
-    max_steps: int = 300
-    """Optimizer steps (not epochs: an epoch is the train examples over the effective batch, and the run's first log
-    line says how many steps that is)."""
+    max_steps: Optional[int] = None
+    """Optimizer steps; default: 300, or with `max_epochs` that many epochs' steps."""
+    max_epochs: Optional[int] = None
+    """Train this many epochs (an epoch: the train examples over the effective batch, whole steps only): the run
+    works out `max_steps` once its data is prepared (the warmup's default from it too), logs it and records it in
+    run.yaml (a `# max_epochs=...` line; `trainer.max_steps` stays unset there). Not with `max_steps`."""
+    limit_train_batches: int = 0
+    """Train on only the first this many micro-batches of examples (per process), shuffled each epoch as usual: a
+    quick run on a few batches. 0: all of them."""
+    limit_val_batches: int = 0
+    """Evaluate on only the first this many batches of the validation set. 0: all of them."""
+    overfit_batches: int = 0
+    """Train on the same first this many micro-batches, in order, every epoch, and evaluate on them too: a model
+    that cannot drive this loss towards zero has a bug. 0: off."""
     lr: float = 2e-3
     """Peak learning rate: AdamW's, reached after warmup_steps, then cosine decay to min_lr_ratio x lr; with a
     `trainer.scheduler` of your own that takes its own peak (`max_lr`: OneCycleLR, CyclicLR), its `max_lr` where the
@@ -108,16 +120,31 @@ class TrainerConfig:
     method named like a hook that is not one (Lightning's `on_validation_epoch_end`) is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "max_steps", "lr", "eval_every", "log_every", "sample_max_tokens"):
+        if self.max_steps is not None and self.max_epochs is not None:
+            raise ConfigError(f"trainer.max_steps={self.max_steps} with trainer.max_epochs={self.max_epochs}: give one "
+                              "(max_epochs works out the steps from the data)")
+        if self.max_epochs is None and self.max_steps is None:
+            self.max_steps = DEFAULT_STEPS
+        for name in ("batch_size", "grad_accum", "lr", "eval_every", "log_every", "sample_max_tokens"):
             positive(f"trainer.{name}", getattr(self, name))
+        for name in ("max_steps", "max_epochs"):
+            if getattr(self, name) is not None:
+                positive(f"trainer.{name}", getattr(self, name))
+        for name in ("limit_train_batches", "limit_val_batches", "overfit_batches"):
+            non_negative(f"trainer.{name}", getattr(self, name))
+        if self.overfit_batches and self.limit_train_batches:
+            raise ConfigError(f"trainer.overfit_batches={self.overfit_batches} with trainer.limit_train_batches="
+                              f"{self.limit_train_batches}: give one (overfit_batches trains on that many, in order)")
         self.monitor = habits.eval_value(self.monitor)  # (Lightning's `val/acc`: run.yaml records `val_accuracy`)
         if self.save_every != "auto" and not (isinstance(self.save_every, int) and not isinstance(self.save_every, bool)
                                                and self.save_every > 0):
             raise ConfigError(f"trainer.save_every={self.save_every}: must be a positive number of steps, or auto")
-        if self.warmup_steps is None:
-            self.warmup_steps = self.max_steps // 10 if self.max_steps > 0 else 0
-        for name in ("warmup_steps", "weight_decay", "max_grad_norm"):
+        if self.warmup_steps is None and self.max_steps is not None:
+            self.warmup_steps = self.max_steps // 10
+        for name in ("weight_decay", "max_grad_norm"):
             non_negative(f"trainer.{name}", getattr(self, name))
+        if self.warmup_steps is not None:
+            non_negative("trainer.warmup_steps", self.warmup_steps)
         if self.keep_checkpoints < 1:
             raise ConfigError(f"trainer.keep_checkpoints={self.keep_checkpoints}: must be >= 1 (resume needs one)")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -132,6 +159,17 @@ class TrainerConfig:
         for i, node in enumerate(self.callbacks):
             if not given(node):
                 raise ConfigError(f"trainer.callbacks[{i}]={node}: give {{_target_: mymodule.MyCallback}}")
+        if self.max_steps is not None:
+            self.check_warmup()
+
+    def with_epochs(self, steps_per_epoch: int) -> None:
+        """`max_epochs` as steps, now that an epoch's steps are known (the warmup's default from them)."""
+        self.max_steps = self.max_epochs * steps_per_epoch
+        if self.warmup_steps is None:
+            self.warmup_steps = self.max_steps // 10
+        self.check_warmup()
+
+    def check_warmup(self) -> None:
         if self.warmup_steps > self.max_steps and not given(self.scheduler):
             raise ConfigError(f"trainer.warmup_steps={self.warmup_steps}: more than trainer.max_steps={self.max_steps}, "
                               f"so the run would never reach trainer.lr; use trainer.warmup_steps<={self.max_steps}, "

@@ -117,6 +117,7 @@ def one_line(err: BaseException) -> str:
 ALIASES = {
     "learning_rate": "lr", "name": "name_or_path", "model_name": "name_or_path", "path": "name_or_path",
     "steps": "max_steps", "num_steps": "max_steps", "train_steps": "max_steps", "iterations": "max_steps",
+    "epochs": "max_epochs", "num_epochs": "max_epochs", "n_epochs": "max_epochs", "num_train_epochs": "max_epochs",
     "batch": "batch_size", "bs": "batch_size", "micro_batch_size": "batch_size",
     "gradient_accumulation_steps": "grad_accum", "accumulation_steps": "grad_accum", "warmup": "warmup_steps",
     "layers": "num_layers", "n_layer": "num_layers", "heads": "num_heads", "n_head": "num_heads",
@@ -148,7 +149,6 @@ def closest(name: str, settings: list[str]) -> str | None:
 
 
 BY_TARGET = ("model._target_", "data.train._target_", "data.val._target_", "data.test._target_")
-EPOCHS = ("max_epochs", "epochs", "num_epochs", "num_train_epochs", "n_epochs", "min_epochs")  # Lightning's, HF's
 
 
 OPTION_NOUNS = {"data": "data source"}  # what an option of a group is called in a sentence
@@ -170,9 +170,6 @@ def unknown_setting(name: str, value: str | None, settings: dict[str, str], othe
         return habit
     if name in BY_TARGET:  # a model or datasets of the user's, given without the task that takes them
         return f"{given}: a model and datasets by _target_ are trained by task=custom; add task=custom"
-    if name.split(".")[-1] in EPOCHS:
-        return (f"{given}: xtrain counts optimizer steps, not epochs; set trainer.max_steps (an epoch is the train "
-                "examples over the effective batch: the run's first log line says how many steps)")
     close = closest(name, settings)
     hint = f"did you mean {close}?" if close else "python -m xtrain --cfg job lists every setting"
     return f"{given}: no such setting; {hint}"

@@ -261,6 +261,18 @@ def keep_evals_until(run_dir: Path, step: int) -> None:
 
 MOVED = "# moved"  # run.yaml's history: a comment line for each time the run moved to another world or strategy
 AUTO_SAVE = "# save_every=auto"  # run.yaml's history: the interval save_every=auto chose (chosen again on a restart)
+EPOCHS = "# max_epochs"  # run.yaml's history: the steps trainer.max_epochs came to, once the data was known
+
+
+def add_history(run_dir: str | Path, line: str, body: str | None = None) -> None:
+    """run.yaml with `line` in its history (in place of an earlier line of its kind: its text up to `:`) and, where
+    given, `body` as its config."""
+    file = Path(run_dir) / RUN_CONFIG
+    text = file.read_text().splitlines(keepends=True)
+    kind = line.partition(":")[0]
+    kept = [h for h in text if h.startswith("# ") and h.partition(":")[0] != kind]
+    body = body if body is not None else "".join(h for h in text if not h.startswith("# "))
+    write_atomic(file, "".join(kept) + f"{line}\n" + body)
 
 
 def history(run_dir: Path) -> list[str]:

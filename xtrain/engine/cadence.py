@@ -17,7 +17,6 @@ from pathlib import Path
 from xtrain.config import schema
 from xtrain.config.schema import RunConfig
 from xtrain.core import rundir
-from xtrain.core.files import write_atomic
 from xtrain.engine import goodput
 
 log = logging.getLogger("xtrain")
@@ -83,9 +82,8 @@ class Cadence:
         """The choice in the log and in run.yaml (the main process)."""
         log.info("step %d | checkpoints every %d steps (save_every=auto: %s)", step, every, why)
         cfg = replace(self.cfg, trainer=replace(self.cfg.trainer, save_every=every))
-        line = f"{rundir.AUTO_SAVE}: {every} steps, chosen at step {step} ({why})"
-        history = [*rundir.moves_recorded(self.run_dir), line]
-        write_atomic(self.run_dir / rundir.RUN_CONFIG, "".join(f"{h}\n" for h in history) + schema.to_yaml(cfg))
+        rundir.add_history(self.run_dir, f"{rundir.AUTO_SAVE}: {every} steps, chosen at step {step} ({why})",
+                           schema.to_yaml(cfg))
 
 
 def _measured(result: dict) -> tuple[float, float] | None:

@@ -121,7 +121,7 @@ def first_result(cfg: RunConfig, accelerator: Accelerator, c, resume_from: Path 
                                                          optimizer_state=optim.state_bytes(cfg)).total,
         "trainable_parameters": c.n_trainable or c.n_params, "process": rundir.this_process(),
         "mesh": layout.as_dict(), "data_parallel_size": layout.data_parallel, "effective_batch": dims.effective_batch(cfg),
-        "steps_per_epoch": per_epoch,
+        "steps_per_epoch": per_epoch, "examples": {"train": c.n_train, "val": c.n_val},
     }
     # each rank's machine, CPU threads and the cores it may run on (a multi-node run shows its nodes)
     own = (socket.gethostname(), torch.get_num_threads(), machine.bound_cores(), memory.parameter_bytes(c.model))

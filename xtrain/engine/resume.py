@@ -27,14 +27,16 @@ from xtrain.parallel import dims
 # `keep_effective_batch`.)
 FREE = tuple(fields.free_settings(RunConfig))
 # What `resume_changes=apply` makes take effect: the optimizer's and the schedule's settings
-APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio", "trainer.weight_decay",
+APPLICABLE = ("trainer.lr", "trainer.max_steps", "trainer.max_epochs", "trainer.warmup_steps", "trainer.min_lr_ratio", "trainer.weight_decay",
               "trainer.max_grad_norm")
 
 
 # Settings a checkpoint written before they existed does not record, with the value it trained as
-ADDED = {"strategy.dp_replicate": 1, "strategy.tp": 1, "strategy.cp": 1, "trainer.compile_tuning": False}
+ADDED = {"strategy.dp_replicate": 1, "strategy.tp": 1, "strategy.cp": 1, "trainer.compile_tuning": False,
+         "trainer.max_epochs": None, "trainer.limit_train_batches": 0, "trainer.limit_val_batches": 0,
+         "trainer.overfit_batches": 0}
 
-SCHEDULE = ("trainer.max_steps", "trainer.warmup_steps", "trainer.min_lr_ratio")  # the default schedule's shape
+SCHEDULE = ("trainer.max_steps", "trainer.max_epochs", "trainer.warmup_steps", "trainer.min_lr_ratio")  # the default schedule's shape
 
 
 def applicable(key: str, now: dict) -> bool:
@@ -88,11 +90,21 @@ def keep_effective_batch(cfg: RunConfig, recorded: dict | None, what: str) -> Ru
 def changes(recorded: dict, now: dict) -> list[Change]:
     """Every setting whose value differs between two configs (as plain containers); a grad_accum that keeps the
     effective batch on another world is where it runs, not what trains."""
-    found = _differences(recorded, now)
+    found = _differences(_as_epochs(recorded, now), now)
     if any(c.key == "trainer.grad_accum" for c in found):
         same = dims.effective_batch(schema.from_container(recorded)) == dims.effective_batch(schema.from_container(now))
         found = [replace(c, kept_batch=same) if c.key == "trainer.grad_accum" else c for c in found]
     return found
+
+
+def _as_epochs(recorded: dict, now: dict) -> dict:
+    """A checkpoint's config where `trainer.max_epochs` decides the steps: its steps (and the warmup they gave) as
+    `now` leaves them, unset (the same epochs of the same data come to the same steps)."""
+    old, new = recorded.get("trainer", {}), now.get("trainer", {})
+    if new.get("max_epochs") is None or new.get("max_steps") is not None or old.get("max_epochs") is None:
+        return recorded
+    warmup = {"warmup_steps": None} if new.get("warmup_steps") is None else {}
+    return {**recorded, "trainer": {**old, "max_steps": None, **warmup}}
 
 
 def _differences(recorded: dict, now: dict, prefix: str = "") -> list[Change]:

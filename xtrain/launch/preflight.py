@@ -72,8 +72,9 @@ def preflight(cfg: RunConfig, planning: bool = False) -> Prepared:
     state = None
     if resume_from is not None:
         state = checkpoint.read_state(resume_from)
-        finishing = checkpoint.export_unfinished(cfg.run_dir, resume_from, cfg.trainer.max_steps)  # (the loop says so)
-        if state["step"] >= cfg.trainer.max_steps and not finishing:
+        max_steps = cfg.trainer.max_steps  # (None: max_epochs, which the run works out)
+        finishing = max_steps is not None and checkpoint.export_unfinished(cfg.run_dir, resume_from, max_steps)
+        if max_steps is not None and state["step"] >= max_steps and not finishing:
             raise ConfigError(
                 f"resume={cfg.resume}: {resume_from} has already trained {state['step']} steps; "
                 f"trainer.max_steps={cfg.trainer.max_steps} leaves nothing to do: raise trainer.max_steps "

@@ -131,6 +131,7 @@ class Worker:
 
     def __init__(self, study: Study) -> None:
         self.settings, self.space, self.sweep_dir, self.compose = study.s, study.space, study.sweep_dir, study.compose
+        self.hooks = study.hooks  # Hydra's callbacks, called here for the trials this worker runs
 
     def __call__(self, worker_dir: str) -> dict:
         import submitit
@@ -146,7 +147,7 @@ class Worker:
             return trials_named(here)
         if submitit.JobEnvironment().num_nodes > 1:
             beating(here)
-        study = Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True)
+        study = Study(self.settings, self.space, self.sweep_dir, self.compose, NodeChecks, resume=True, hooks=self.hooks)
         study.on_slurm = True
         study.claiming = lambda: claiming(self.sweep_dir)
         study.open(worker=index + 1)

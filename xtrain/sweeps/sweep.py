@@ -127,7 +127,8 @@ def completed(path: Path, trainer: TrainerConfig) -> bool:
     run completed at fewer steps than `max_steps` asks now (raised with resume_changes=apply) trains on."""
     done = rundir.read_result(path)
     stopped_early = "early_stop" in done or "callback_stop" in done
-    return done.get("status") == Status.completed and (stopped_early or done.get("steps", 0) >= trainer.max_steps)
+    max_steps = trainer.max_steps if trainer.max_steps is not None else done.get("max_steps", 0)  # (max_epochs: the run's)
+    return done.get("status") == Status.completed and (stopped_early or done.get("steps", 0) >= max_steps)
 
 
 def check_same_config(point: Point) -> None:

@@ -85,8 +85,8 @@ class JobHooks:
     def __init__(self, composer: "Composer", task_function: TaskFunction, callbacks=None) -> None:
         self.composer, self.task_function, self.callbacks = composer, task_function, callbacks
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "callbacks": None}
+    def __getstate__(self) -> dict:  # (built again where it is unpickled: xtrain's task function and the callbacks)
+        return {**self.__dict__, "callbacks": None, "task_function": None}
 
     def _callbacks(self):
         if self.callbacks is None:
@@ -99,6 +99,10 @@ class JobHooks:
         return point.num in self.composer.jobs
 
     def start(self, point) -> None:
+        if self.task_function is None:
+            from xtrain.commands import cli
+
+            self.task_function = cli.hydra_main.__wrapped__  # (what Hydra's decorator wraps)
         self._callbacks().on_job_start(config=self.composer.job_config(point), task_function=self.task_function)
 
     def end(self, point) -> None:
