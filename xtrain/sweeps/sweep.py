@@ -204,10 +204,10 @@ def dry_run(points: list[Point], sweep_dir: Path, backend, **options) -> None:
 
 
 def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, on_start: Callable[[Point], None] = None,
-        on_end: Callable[[Point], None] = None, **options) -> None:
+        on_end: Callable[[Point], None] = None, **options) -> bool:
     """Run the points still to do on the backend, `on_start` each as it starts (is submitted, on SLURM); after each,
     its outcome is logged, the summary rewritten and `on_end` called. SweepFailed names every point that did not
-    complete (or says the sweep was interrupted)."""
+    complete (or says the sweep was interrupted). False where they were left running (cluster.wait=false)."""
     log.info("sweep: %d points in %s, %d to run", len(points), sweep_dir, len(todo))
     summary.write(sweep_dir)
     def ended(point: Point) -> None:
@@ -226,6 +226,7 @@ def run(points: list[Point], todo: list[Point], sweep_dir: Path, backend, on_sta
         raise
     if waited:
         finish(points, sweep_dir)
+    return waited
 
 
 class Starting:

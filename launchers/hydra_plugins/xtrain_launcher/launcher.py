@@ -68,9 +68,9 @@ class _XtrainLauncher(Launcher):
             return [self.job_hooks.job_return(p, ran=False) for p in points]
         todo = sweep.prepare_all(points, self.sweep_dir, backend)
         hooks = self.job_hooks
-        sweep.run(points, todo, self.sweep_dir, backend, on_start=hooks.start, on_end=hooks.end,
-                  **self.options)  # raises SweepFailed if any point failed
-        return [hooks.job_return(p) for p in points]
+        waited = sweep.run(points, todo, self.sweep_dir, backend, on_start=hooks.start, on_end=hooks.end,
+                           **self.options)  # raises SweepFailed if any point failed
+        return [hooks.job_return(p, ran=waited) for p in points]  # (not waited for: launched, no score yet)
 
     @property
     def job_hooks(self) -> "JobHooks":
@@ -110,7 +110,8 @@ class JobHooks:
 
     def job_return(self, point, ran: bool = True) -> JobReturn:
         """What Hydra's launchers return for a job: its config (the `hydra` node apart), Hydra's node, its overrides
-        and outcome (completed: the score Hydra's sweepers optimise; else the failure, raised where it is read)."""
+        and outcome (completed: the score Hydra's sweepers optimise; else the failure, raised where it is read).
+        `ran=False` (a dry run, or points left running): completed, without a score."""
         from xtrain.core import rundir
         from xtrain.sweeps import sweep
 
