@@ -32,5 +32,5 @@ class Backend(Protocol):
         """A sweep's options (`hydra.launcher.*`) against its points, before anything starts."""
 
     def run_points(self, points, sweep_dir: Path, on_end: Callable[[Point], None], **options) -> bool:
-        """A sweep's written points, `on_end(point)` as each ends; False where they were left running (not
-        waited for)."""
+        """A sweep's written points (a list, or a source asked for the next one as a slot frees: None, none now),
+        `on_end(point)` as each ends; False where they were left running (not waited for)."""
