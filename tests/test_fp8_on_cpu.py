@@ -33,6 +33,9 @@ LLAMA = ["model=tiny_llama", "model.intermediate_size=512", "precision=fp8", "pr
          "trainer.log_every=1", "trainer.eval_every=10", "trainer.save_every=10"]
 
 
+TWO_BLOCKS = [*LLAMA, "model.num_layers=2"]  # (fp8 on a CPU is emulated: a run's steps cost what its blocks do)
+
+
 def test_the_layers_in_fp8_are_the_linear_ones_but_the_ends_and_the_skipped():
     cfg = compose_run(*LLAMA)
     chosen = model_facts(cfg)[1].fp8_layers
@@ -64,20 +67,21 @@ def test_fsdp2_compiled_and_ddp_train_the_chosen_layers_in_fp8(tmp_path):
     differently by recipe and path; compiled FSDP2 follows eager FSDP2 to 3e-4). (That the weights start as the
     eager build's: the meta-build test below, bitwise.)"""
     fsdp, ddp = tmp_path / "fsdp", tmp_path / "ddp"
-    out = run_xtrain(f"run_dir={fsdp}", *LLAMA, "strategy=fsdp", "cluster.num_processes=2", "trainer.compile=true",
+    out = run_xtrain(f"run_dir={fsdp}", *TWO_BLOCKS, "strategy=fsdp", "cluster.num_processes=2", "trainer.compile=true",
                      env={**SEAM, **seams("fp8_on_cpu", "fsdp_on_cpu")}).stdout
-    assert ("fp8 (torchao, tensorwise): 24 of 29 linear layers; in bf16: model.layers.0.self_attn.k_proj, "
-            "model.layers.1.self_attn.k_proj, model.layers.2.self_attn.k_proj and 2 more") in out
-    out = run_xtrain(f"run_dir={ddp}", *LLAMA, "trainer.grad_accum=2", "precision.fp8_recipe=rowwise", env=SEAM).stdout
-    assert "fp8 (torchao, rowwise): 24 of 29 linear layers" in out
+    assert ("fp8 (torchao, tensorwise): 12 of 15 linear layers; in bf16: model.layers.0.self_attn.k_proj, "
+            "model.layers.1.self_attn.k_proj, lm_head") in out
+    out = run_xtrain(f"run_dir={ddp}", *TWO_BLOCKS, "trainer.grad_accum=2", "precision.fp8_recipe=rowwise",
+                     env=SEAM).stdout
+    assert "fp8 (torchao, rowwise): 12 of 15 linear layers" in out
     for run, scaling in ((fsdp, "tensorwise"), (ddp, "rowwise")):
         result = read_result(run)
         assert result["status"] == "completed" and result["precision"] == "fp8" and result["autocast"] is True
         assert result["val_loss"] < result["initial_val_loss"] - 0.5
-        assert result["fp8"]["scaling"] == scaling and len(result["fp8"]["layers"]) == 24
+        assert result["fp8"]["scaling"] == scaling and len(result["fp8"]["layers"]) == 12
         kept = result["fp8"]["kept_in_bf16"]
-        assert kept[-1] == "lm_head" and "model.layers.3.self_attn.k_proj" in kept
-    assert read_result(fsdp)["compiled_regions"] >= 4  # (the blocks)
+        assert kept == ["model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.k_proj", "lm_head"]
+    assert read_result(fsdp)["compiled_regions"] >= 2  # (the blocks)
     a, b = train_losses(fsdp), train_losses(ddp)
     assert len(a) == 10 and a == pytest.approx(b, rel=0.03)
 
