@@ -190,17 +190,17 @@ def test_lora_teaches_smollm2_invented_facts_and_exports_a_merged_model_and_its_
     run_dir = tmp_path / "run"
     proc = run_xtrain(*sft(base, [write_facts(tmp_path / "facts.jsonl", "messages", facts())]),
                       f"run_dir={run_dir}", "model.lora.enabled=true", "data.block_size=128", "trainer.batch_size=4",
-                      "trainer.lr=2e-3", "trainer.max_steps=16", "trainer.warmup_steps=2", "trainer.eval_every=16",
-                      "trainer.save_every=16", "trainer.log_every=4", f"trainer.sample_prompts=[{QUESTION}]",
+                      "trainer.lr=3e-3", "trainer.max_steps=10", "trainer.warmup_steps=2", "trainer.eval_every=10",
+                      "trainer.save_every=10", "trainer.log_every=2", f"trainer.sample_prompts=[{QUESTION}]",
                       "trainer.sample_max_tokens=12")
     result = read_result(run_dir)
     assert result["val_loss"] < 0.5 * result["initial_val_loss"]
     assert result["trainable_parameters"] < 0.05 * result["model_parameters"]
     assert ANSWER in greedy(run_dir / "model", QUESTION)
     samples = [row for row in read_metrics(run_dir) if "sample/0" in row]
-    assert [row["step"] for row in samples] == [0, 16]
+    assert [row["step"] for row in samples] == [0, 10]
     assert ANSWER not in samples[0]["sample/0"] and ANSWER in samples[-1]["sample/0"]
-    assert f"step 16 | sample | {QUESTION} -> " in proc.stderr + proc.stdout
+    assert f"step 10 | sample | {QUESTION} -> " in proc.stderr + proc.stdout
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     ids = tokenizer(["The capital of Zorbia is"], return_tensors="pt")["input_ids"]
@@ -212,7 +212,7 @@ def test_lora_teaches_smollm2_invented_facts_and_exports_a_merged_model_and_its_
     # checkpoints hold the adapter and its optimizer state only
     from safetensors.torch import load_file
 
-    saved = load_file(run_dir / "checkpoints" / "step_00000016" / "model.safetensors")
+    saved = load_file(run_dir / "checkpoints" / "step_00000010" / "model.safetensors")
     assert saved and all("lora_" in key for key in saved)
     assert sum(t.numel() for t in saved.values()) == result["trainable_parameters"]
 
