@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import (FSDP_ON_CPU, SHARDED, SMALL, assert_one_line_error, compose_run, model_weights, read_metrics,
                       read_result, run_xtrain, start_xtrain, train_losses, xtrain_in_process)
@@ -157,12 +158,6 @@ def test_compiled_fsdp2_with_activation_checkpointing_follows_eager_and_resumes_
         assert torch.equal(model_weights(resumed)[name], tensor), name
 
 
-def test_cpu_offload_trains_and_follows_ddp(tmp_path, ddp_two_processes):
-    run_dir = fsdp_run(tmp_path / "run", "strategy.cpu_offload=true")
-    assert read_result(run_dir)["status"] == "completed"
-    assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
-
-
 def test_cpu_ram_efficient_loading_fine_tunes_from_the_pretrained_weights(tmp_path, sharded):
     """Rank 0 loads the local pretrained model, the other rank receives it: the first eval is the source's last."""
     run_dir = fsdp_run(tmp_path / "run", "model=hf", f"model.name_or_path={sharded / 'model'}",
@@ -173,11 +168,13 @@ def test_cpu_ram_efficient_loading_fine_tunes_from_the_pretrained_weights(tmp_pa
     assert result["initial_val_loss"] == pytest.approx(read_result(sharded)["val_loss"], rel=1e-5)
 
 
-def test_one_process_fsdp_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp_two_processes):
-    """In-process Accelerate would drop FSDP; under torchrun, check_setup sees FSDP on one process."""
-    run_dir = fsdp_run(tmp_path / "run", "cluster.num_processes=1", "trainer.batch_size=8")
+def test_one_process_fsdp_with_cpu_offload_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp_two_processes):
+    """In-process Accelerate would drop FSDP; under torchrun, check_setup sees FSDP on one process. Its parameters,
+    gradients and optimizer state offloaded to the host (Accelerate's `fsdp_offload_params`)."""
+    run_dir = fsdp_run(tmp_path / "run", "cluster.num_processes=1", "trainer.batch_size=8", "strategy.cpu_offload=true")
     result = read_result(run_dir)
     assert result["world_size"] == 1 and result["fsdp_units"]["GPT2Block"] == 4
+    assert yaml.safe_load((run_dir / "accelerate_config.yaml").read_text())["fsdp_config"]["fsdp_offload_params"] is True
     assert (run_dir / "logs" / "launcher-node0.log").exists()
     assert train_losses(run_dir) == pytest.approx(train_losses(ddp_two_processes), rel=1e-4)
 

@@ -168,18 +168,14 @@ def test_compiled_zero3_follows_eager_under_eagers_names(tmp_path, zero_runs):
     assert load_file(compiled / "model" / "model.safetensors").keys() == load_file(eager / "model" / "model.safetensors").keys()
 
 
-def test_one_process_zero_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp):
-    """World size 1 still goes through torchrun: in-process, Accelerate would not set DeepSpeed up.
-    One process with twice the batch sees the same samples per step as two processes' DDP."""
-    run_dir = zero_run(tmp_path / "run", "zero2", "cluster.num_processes=1", "trainer.batch_size=8")
+def test_one_process_zero2_with_optimizer_offload_runs_under_the_launcher_and_matches_ddp(tmp_path, ddp):
+    """World size 1 still goes through torchrun: in-process, Accelerate would not set DeepSpeed up. One process with
+    twice the batch sees the same samples per step as two processes' DDP. ZeRO-Offload with torch's AdamW stepping
+    on the host copy (the seam sets zero_force_ds_cpu_optimizer off; the exported deepspeed.json, the GPU path's,
+    leaves DeepSpeed's default: its DeepSpeedCPUAdam)."""
+    run_dir = zero_run(tmp_path / "run", "zero2", "cluster.num_processes=1", "trainer.batch_size=8",
+                       "strategy.offload_optimizer=cpu")
     assert read_result(run_dir)["world_size"] == 1 and (run_dir / "logs" / "launcher-node0.log").exists()
-    assert train_losses(run_dir) == pytest.approx(train_losses(ddp), rel=1e-4)
-
-
-def test_zero2_optimizer_offload_follows_ddp(tmp_path, ddp):
-    """ZeRO-Offload with torch's AdamW stepping on the host copy (the seam sets zero_force_ds_cpu_optimizer off;
-    the exported deepspeed.json, the GPU path's, leaves DeepSpeed's default: its DeepSpeedCPUAdam)."""
-    run_dir = zero_run(tmp_path / "run", "zero2", "strategy.offload_optimizer=cpu")
     assert json.loads((run_dir / "deepspeed.json").read_text())["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert train_losses(run_dir) == pytest.approx(train_losses(ddp), rel=1e-4)
 
