@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import (FAIL_ON_RANK_1, read_result, run_xtrain, seams, start_xtrain, train_losses)
+from conftest import (FAIL_ON_RANK_1, REPO, read_result, run_xtrain, seams, start_xtrain, train_losses)
 
 RUN = ["trainer.max_steps=8", "trainer.log_every=2", "trainer.eval_every=4", "trainer.save_every=4",
        "trainer.warmup_steps=2"]
@@ -322,3 +322,34 @@ def test_a_rank_stuck_outside_collectives_is_ended_by_the_timeout(tmp_path):
         in proc.stderr
     assert time.monotonic() - began < 120
     assert processes_of(run_dir) == []
+
+
+def test_a_drivers_agents_are_forks_of_one_server_each_as_popen_would_start_it(tmp_path):
+    """Two launches from one driver: both agents are children of the same server (its imports done once), each with
+    its own launch's command line, working directory and environment, its output through its pipes, and its end as
+    Popen gives it: a rank's exit code, or -signal."""
+    from xtrain.launch import forkserver
+    from xtrain.launch.supervisor import Topology, free_port, torchrun_command
+
+    env = {**os.environ, "XTRAIN_PROBE": "set by the launch", "PYTHONUNBUFFERED": "1"}
+    agents = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        args = torchrun_command(Topology(1, 0, 1, "127.0.0.1", None), tmp_path / name, free_port(),
+                                ["tests.agent_probe", name, str(tmp_path / name / "go")])
+        agents[name] = forkserver.popen(args, {**env, "XTRAIN_LAUNCH_TIME": str(time.time())}, "ending")
+    a, b = agents["a"], agents["b"]
+    server = psutil.Process(a.pid).parent()
+    assert server.pid == psutil.Process(b.pid).ppid() != os.getpid()
+    assert server.ppid() == os.getpid() and " ".join(server.cmdline()).startswith("xtrain.launch.forkserver:")
+    for name, agent in agents.items():
+        line = " ".join(psutil.Process(agent.pid).cmdline()).strip()
+        assert line.startswith(f"{sys.executable} -m xtrain.launch.agent --nnodes=1") and line.endswith(
+            f"tests.agent_probe {name} {tmp_path / name / 'go'}")
+    (tmp_path / "a" / "go").write_text("3")
+    out, err = a.stdout.read().decode(), a.stderr.read().decode()
+    assert a.wait(timeout=60) == 1  # (torchrun's own code for a failed rank)
+    assert f"probe a in {REPO} with set by the launch" in out + err and "exitcode  : 3" in out + err
+    assert b.poll() is None
+    b.kill()
+    assert b.wait(timeout=60) == -signal.SIGKILL

@@ -19,7 +19,7 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 RUNS = frozenset({"xtrain_in_process", "run_xtrain", "train", "run_with_accelerate"})
-E2E = frozenset({"subprocess", "Popen", "start_xtrain", "multiprocessing", "slurm_cluster", "own_process",
+E2E = frozenset({"subprocess", "Popen", "forkserver", "start_xtrain", "multiprocessing", "slurm_cluster", "own_process",
                  "smollm2_dir"})
 SEAMS = frozenset({"ZERO_ON_CPU", "FSDP_ON_CPU", "FP8_ON_CPU", "seams"})  # (a run on them starts ranks or is slow)
 # what makes a run start processes or train more than a tiny task: several ranks or nodes, a strategy that needs a

@@ -45,6 +45,19 @@ def start_method() -> str:
     return "spawn" if built or seams.first("spawn_ranks") else "fork"
 
 
+def preload(module: str) -> str:
+    """Import what this agent needs and, where its ranks are forks of it, what `module`'s ranks all import (its
+    `PRELOAD`); the start method."""
+    import torch.distributed.launcher.api  # noqa: F401
+    import torch.distributed.run  # noqa: F401
+
+    method = start_method()
+    if method == "fork":
+        for name in getattr(importlib.import_module(module), "PRELOAD", ()):
+            importlib.import_module(name)
+    return method
+
+
 def main() -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -53,10 +66,7 @@ def main() -> None:
     if not args.module:
         raise SystemExit("xtrain.launch.agent: runs a module's ranks: -m MODULE ARGS")
     config, _, _ = config_from_args(args)
-    config.start_method = start_method()
-    if config.start_method == "fork":
-        for name in getattr(importlib.import_module(args.training_script), "PRELOAD", ()):
-            importlib.import_module(name)
+    config.start_method = preload(args.training_script)
     print(f"xtrain.launch.agent: {args.nproc_per_node} rank(s) of {args.training_script}, "
           f"{'forked' if config.start_method == 'fork' else 'each a fresh interpreter (spawn)'}", flush=True)
     elastic_launch(config=config, entrypoint=worker)(args.training_script, *args.training_script_args)

@@ -29,6 +29,7 @@ from xtrain.config.cluster import ClusterConfig
 from xtrain.core import machine, rundir, seams, stopping
 from xtrain.core.errors import ConfigError, LaunchFailed
 from xtrain.core.rundir import ERRORS_DIR
+from xtrain.launch import forkserver
 
 RANK0_PREFIX = "[default0]:"
 GRACE_S = 10
@@ -114,7 +115,7 @@ def _pump(stream, terminal, log_file) -> None:
         log_file.flush()
 
 
-def stop_tree(proc: subprocess.Popen) -> None:
+def stop_tree(proc: subprocess.Popen | forkserver.Forked) -> None:
     """SIGTERM to torchrun (it stops its workers), then SIGKILL to whatever is left after a grace period."""
     try:
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -160,11 +161,9 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     stopped_by: list[int] = []
     told: set[int] = set()  # workers that were sent the stop request while they listened for it
     with open(log_path, "a") as log_file:
-        proc = subprocess.Popen(
-            torchrun_command(topology, workdir, port, module_args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=env, start_new_session=True,  # the terminal's Ctrl-C reaches the driver, which stops all
-            preexec_fn=_stopping_child if step_boundary else _ending_child,
-        )
+        # in a session of its own: the terminal's Ctrl-C reaches the driver, which stops all
+        proc = forkserver.popen(torchrun_command(topology, workdir, port, module_args), env,
+                                "stopping" if step_boundary else "ending")
         pumps = [threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, log_file), daemon=True),
                  threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, log_file), daemon=True)]
         for t in pumps:
@@ -215,6 +214,10 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
 
 
+def preexec_of(name: str) -> Callable[[], None]:
+    return {"stopping": _stopping_child, "ending": _ending_child}[name]
+
+
 def _stopping_child() -> None:
     """torchrun's preexec_fn for training workers: it ignores the stop signals (stopping.ignore_in_child), and it
     ends when the driver does, however the driver ended (`_ending_child`)."""
@@ -228,7 +231,7 @@ def _ending_child() -> None:
     stopping.end_with_parent(signal.SIGKILL)
 
 
-def _tell_workers(proc: subprocess.Popen, told: set[int]) -> None:
+def _tell_workers(proc: subprocess.Popen | forkserver.Forked, told: set[int]) -> None:
     """SIGUSR1 to each of torchrun's own children, the workers (not what they start: the signal's default
     action would end it), once each listens for it. Only once: a signal interrupts the system call a
     worker is in (a collective's socket read, a checkpoint's write), and the C++ below may not retry it."""
