@@ -324,10 +324,10 @@ def test_a_rank_stuck_outside_collectives_is_ended_by_the_timeout(tmp_path):
     assert processes_of(run_dir) == []
 
 
-def test_a_drivers_agents_are_forks_of_one_server_each_as_popen_would_start_it(tmp_path):
+def test_a_drivers_agents_are_forks_of_one_server_each_as_popen_would_start_it(tmp_path, monkeypatch):
     """Two launches from one driver: both agents are children of the same server (its imports done once), each with
     its own launch's command line, working directory and environment, its output through its pipes, and its end as
-    Popen gives it: a rank's exit code, or -signal."""
+    Popen gives it: a rank's exit code, or -signal. XTRAIN_AGENT_FORKSERVER=0: the agent is started anew."""
     from xtrain.launch import forkserver
     from xtrain.launch.supervisor import Topology, free_port, torchrun_command
 
@@ -353,3 +353,8 @@ def test_a_drivers_agents_are_forks_of_one_server_each_as_popen_would_start_it(t
     assert b.poll() is None
     b.kill()
     assert b.wait(timeout=60) == -signal.SIGKILL
+    monkeypatch.setenv("XTRAIN_AGENT_FORKSERVER", "0")
+    anew = forkserver.popen(args, env, "ending")
+    assert isinstance(anew, subprocess.Popen) and psutil.Process(anew.pid).ppid() == os.getpid()
+    anew.kill()
+    anew.communicate(timeout=60)

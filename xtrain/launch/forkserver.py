@@ -11,7 +11,8 @@ One server serves launches whose environment is the same but for what is only re
 (`LATE`): torch and transformers read some variables as they are imported. It ends when its driver does (a
 parent-death signal, however the driver ended), and each agent when the server does, as an agent started anew
 ends with its driver. It ignores the stop signals a scheduler sends every process of a job: the agent decides
-what they mean. Where any of this is missing (not Linux) or fails, the launch starts the agent anew.
+what they mean. Where any of this is missing (not Linux) or fails, or `XTRAIN_AGENT_FORKSERVER=0` says so, the
+launch starts its agent anew.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ import subprocess
 import sys
 import threading
 import traceback
+from typing import Callable
 
 from xtrain.core import stopping
 
 log = logging.getLogger("xtrain")
 
-LATE = frozenset({"XTRAIN_LAUNCH_TIME", "PYTEST_CURRENT_TEST"})  # (read by a run, never at import)
+SWITCH = "XTRAIN_AGENT_FORKSERVER"  # "0": each agent started anew
+# read by a run, never at import (XTRAIN_SEAMS: loaded at the first question, xtrain/core/seams.py)
+LATE = frozenset({"XTRAIN_LAUNCH_TIME", "XTRAIN_SEAMS", "PYTEST_CURRENT_TEST"})
 TITLE = 16384  # the room a forked agent has for its command line (`ps` shows the launch's own)
 KEPT = 2  # servers a driver keeps, for its last environments
 IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, *stopping.IN_WORKERS)  # by the server only
@@ -84,15 +88,32 @@ def popen(args: list[str], env: dict, preexec: str) -> subprocess.Popen | Forked
     """`python -m xtrain.launch.agent ...` (`args`) with its stdout and stderr piped, in a session of its own, after
     `preexec` ("stopping": it ignores the stop signals; either way it ends with its driver): forked from this
     driver's server for `env`, or, where there cannot be one, started anew."""
-    if sys.platform.startswith("linux") and args[1:3] == ["-m", "xtrain.launch.agent"]:
+    if (sys.platform.startswith("linux") and args[1:3] == ["-m", "xtrain.launch.agent"]
+            and os.environ.get(SWITCH, "1") != "0"):
         try:
             return _server(env).fork(args, env, preexec)
         except OSError as err:  # (the server could not start, or is gone: this launch starts its agent anew)
             log.debug("agent fork server: %s; starting the agent anew", err)
-    from xtrain.launch.supervisor import preexec_of
-
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
                             preexec_fn=preexec_of(preexec))
+
+
+def preexec_of(name: str) -> Callable[[], None]:
+    return {"stopping": _stopping_child, "ending": _ending_child}[name]
+
+
+def _stopping_child() -> None:
+    """The agent of training workers ignores the stop signals (stopping.ignore_in_child), and it ends when the
+    driver does, however the driver ended (`_ending_child`)."""
+    stopping.ignore_in_child()
+    _ending_child()
+
+
+def _ending_child() -> None:
+    """torchrun ends when the driver does (here: when the server, which ends with the driver, does): SIGKILL, not
+    its own shutdown on SIGTERM, which can hang with its workers gone (seen: its main thread waiting on a lock
+    forever). Each worker then gets SIGTERM as its parent ends."""
+    stopping.end_with_parent(signal.SIGKILL)
 
 
 def _server(env: dict) -> "_Server":
@@ -278,7 +299,6 @@ def _run_agent(request: dict, std: list[int], ready: int) -> None:
         os.environ.update(request["env"])
         sys.path[0] = os.getcwd()  # (`python -m`'s first entry: the directory it was started in)
         from xtrain.launch import agent
-        from xtrain.launch.supervisor import preexec_of
 
         preexec_of(request["preexec"])()
         sys.argv = [agent.__file__, *request["args"][3:]]

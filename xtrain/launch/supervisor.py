@@ -214,23 +214,6 @@ def supervise(topology: Topology, workdir: Path, module_args: list[str], env: di
     return -signal.Signals[asked["signal"]] if asked and code != 0 else code  # asked, and they did not end well
 
 
-def preexec_of(name: str) -> Callable[[], None]:
-    return {"stopping": _stopping_child, "ending": _ending_child}[name]
-
-
-def _stopping_child() -> None:
-    """torchrun's preexec_fn for training workers: it ignores the stop signals (stopping.ignore_in_child), and it
-    ends when the driver does, however the driver ended (`_ending_child`)."""
-    stopping.ignore_in_child()
-    _ending_child()
-
-
-def _ending_child() -> None:
-    """torchrun ends when the driver does: SIGKILL, not its own shutdown on SIGTERM, which can hang with its workers
-    gone (seen: its main thread waiting on a lock forever). Each worker then gets SIGTERM as its parent ends."""
-    stopping.end_with_parent(signal.SIGKILL)
-
-
 def _tell_workers(proc: subprocess.Popen | forkserver.Forked, told: set[int]) -> None:
     """SIGUSR1 to each of torchrun's own children, the workers (not what they start: the signal's default
     action would end it), once each listens for it. Only once: a signal interrupts the system call a
