@@ -57,6 +57,7 @@ bench: $(TEST_READY)
 	$(BIN)/python benchmarks/launch.py
 	$(BIN)/python benchmarks/strategies.py
 	$(BIN)/python benchmarks/sweep.py
+	$(BIN)/python benchmarks/agent_forks.py
 	$(BIN)/python benchmarks/slurm.py
 	$(BIN)/python benchmarks/data.py
 	$(BIN)/python benchmarks/finetune.py
